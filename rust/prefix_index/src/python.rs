@@ -1,0 +1,482 @@
+//! pyo3 bindings: `smetric._prefix_index`. Every call that hashes or walks releases the GIL; the
+//! index sits behind a read-write lock, so one object can serve many threads.
+
+use std::collections::HashSet;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
+
+use crate::index::{IndexError, InstanceStats, PrefixIndex, GLOBAL_TIER};
+use crate::keys;
+
+fn index_error(e: IndexError) -> PyErr {
+    match e {
+        IndexError::UnknownInstance(_) => PyKeyError::new_err(e.to_string()),
+        _ => PyValueError::new_err(e.to_string()),
+    }
+}
+
+fn positive(name: &str, value: i64) -> PyResult<usize> {
+    if value <= 0 {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a positive integer, got {value}"
+        )));
+    }
+    Ok(value as usize)
+}
+
+fn non_negative(name: &str, value: i64) -> PyResult<u64> {
+    if value < 0 {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be >= 0, got {value}"
+        )));
+    }
+    Ok(value as u64)
+}
+
+/// Chained 64-bit block keys of one prompt. Immutable; crosses into Rust without copying.
+#[pyclass(frozen, module = "smetric._prefix_index", name = "BlockKeys", sequence)]
+pub struct PyBlockKeys {
+    keys: Vec<u64>,
+}
+
+#[pymethods]
+impl PyBlockKeys {
+    /// Keys from per-block ids. `chained=False` chains them (for ids that name one block's
+    /// content only); `chained=True` takes them as keys (for ids that already name a whole
+    /// prefix: Mooncake trace `hash_ids`, SGLang KV-event block hashes); they must be distinct.
+    #[staticmethod]
+    #[pyo3(signature = (ids, chained = false))]
+    fn from_ids(ids: &Bound<'_, PyAny>, chained: bool) -> PyResult<Self> {
+        let raw = extract_ids(ids)?;
+        if !chained {
+            let keys = ids.py().detach(|| keys::chain_ids(&raw));
+            return Ok(PyBlockKeys { keys });
+        }
+        let mut seen = HashSet::with_capacity(raw.len());
+        if let Some(pos) = raw.iter().position(|k| !seen.insert(*k)) {
+            return Err(PyValueError::new_err(format!(
+                "chained ids must be distinct: id at position {pos} repeats an earlier one"
+            )));
+        }
+        Ok(PyBlockKeys { keys: raw })
+    }
+
+    fn __len__(&self) -> usize {
+        self.keys.len()
+    }
+
+    fn __getitem__(&self, py: Python<'_>, index: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        if let Ok(slice) = index.cast::<PySlice>() {
+            let ind = slice.indices(self.keys.len() as isize)?;
+            if ind.step != 1 {
+                return Err(PyValueError::new_err("BlockKeys slices must have step 1"));
+            }
+            let (start, stop) = (ind.start as usize, (ind.stop.max(ind.start)) as usize);
+            let sub = PyBlockKeys {
+                keys: self.keys[start..stop].to_vec(),
+            };
+            return Ok(Py::new(py, sub)?.into_any());
+        }
+        let i: isize = index.extract()?;
+        let n = self.keys.len() as isize;
+        let j = if i < 0 { i + n } else { i };
+        if j < 0 || j >= n {
+            return Err(PyIndexError::new_err("BlockKeys index out of range"));
+        }
+        Ok(self.keys[j as usize].into_pyobject(py)?.into_any().unbind())
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(PyList::new(py, &self.keys)?.try_iter()?.into_any())
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyBlockKeys>()
+            .is_ok_and(|o| o.get().keys == self.keys)
+    }
+
+    fn __hash__(&self) -> u64 {
+        // The last key names the whole chain.
+        self.keys.last().copied().unwrap_or(0) ^ self.keys.len() as u64
+    }
+
+    fn __repr__(&self) -> String {
+        match self.keys.len() {
+            0 => "BlockKeys([])".into(),
+            1..=4 => format!("BlockKeys({:?})", self.keys),
+            n => format!(
+                "BlockKeys([{}, {}, ..., {}], len={n})",
+                self.keys[0],
+                self.keys[1],
+                self.keys[n - 1]
+            ),
+        }
+    }
+
+    /// The keys as a list of ints (unsigned 64-bit).
+    fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, &self.keys)
+    }
+
+    /// Length of the common prefix with another chain, in blocks.
+    fn common_prefix(&self, other: &Bound<'_, PyBlockKeys>) -> usize {
+        let other = &other.get().keys;
+        self.keys
+            .iter()
+            .zip(other)
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Reduced<'py>> {
+        let py = slf.py();
+        let ctor = py.get_type::<PyBlockKeys>().getattr("from_ids")?;
+        Ok((ctor, (PyList::new(py, &slf.get().keys)?, true)))
+    }
+}
+
+/// What `__reduce__` returns: `(BlockKeys.from_ids, (keys, True))`.
+type Reduced<'py> = (Bound<'py, PyAny>, (Bound<'py, PyList>, bool));
+
+fn extract_ids(ids: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if ids.is_instance_of::<PyString>() || ids.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(
+            "ids must be a sequence of ints, not str or bytes",
+        ));
+    }
+    let mut out = Vec::with_capacity(ids.len().unwrap_or(0));
+    for item in ids.try_iter()? {
+        let item = item?;
+        // Signed ids (SGLang's int64 event hashes) keep their bit pattern.
+        let v = match item.extract::<u64>() {
+            Ok(v) => v,
+            Err(_) => item.extract::<i64>()? as u64,
+        };
+        out.push(v);
+    }
+    Ok(out)
+}
+
+fn bad_token(value: impl std::fmt::Display) -> PyErr {
+    PyValueError::new_err(format!("token ids must be in 0..2**32, got {value}"))
+}
+
+fn tokens_from<T: Copy + TryInto<u32> + std::fmt::Display>(v: Vec<T>) -> PyResult<Vec<u32>> {
+    v.into_iter()
+        .map(|t| t.try_into().map_err(|_| bad_token(t)))
+        .collect()
+}
+
+/// Token ids from a list / sequence of ints, or from any buffer of integers (array, numpy).
+fn extract_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(PyTypeError::new_err(
+            "token_ids must be a sequence of ints, not str or bytes",
+        ));
+    }
+    if let Ok(buf) = PyBuffer::<u32>::get(obj) {
+        return buf.to_vec(py);
+    }
+    if let Ok(buf) = PyBuffer::<i32>::get(obj) {
+        return tokens_from(buf.to_vec(py)?);
+    }
+    if let Ok(buf) = PyBuffer::<i64>::get(obj) {
+        return tokens_from(buf.to_vec(py)?);
+    }
+    if let Ok(buf) = PyBuffer::<u64>::get(obj) {
+        return tokens_from(buf.to_vec(py)?);
+    }
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in obj.try_iter()? {
+        let v: i64 = item?.extract()?;
+        out.push(u32::try_from(v).map_err(|_| bad_token(v))?);
+    }
+    Ok(out)
+}
+
+/// Block keys of a text prompt (`str`, keyed by its UTF-8 bytes, or `bytes`): one key per full
+/// block of `block_bytes`; a trailing partial block gets none.
+#[pyfunction]
+#[pyo3(signature = (text, block_bytes = 64))]
+fn hash_text(text: &Bound<'_, PyAny>, block_bytes: i64) -> PyResult<PyBlockKeys> {
+    let block_bytes = positive("block_bytes", block_bytes)?;
+    let py = text.py();
+    let keys = if let Ok(s) = text.cast::<PyString>() {
+        let s = s.to_str()?;
+        py.detach(|| keys::hash_text(s.as_bytes(), block_bytes))
+    } else if let Ok(b) = text.cast::<PyBytes>() {
+        let b = b.as_bytes();
+        py.detach(|| keys::hash_text(b, block_bytes))
+    } else {
+        return Err(PyTypeError::new_err(format!(
+            "text must be str or bytes, not {}",
+            text.get_type().name()?
+        )));
+    };
+    Ok(PyBlockKeys { keys })
+}
+
+/// Block keys of token ids: one key per full block of `block_tokens` ids.
+#[pyfunction]
+#[pyo3(signature = (token_ids, block_tokens = 16))]
+fn hash_tokens(token_ids: &Bound<'_, PyAny>, block_tokens: i64) -> PyResult<PyBlockKeys> {
+    let block_tokens = positive("block_tokens", block_tokens)?;
+    let tokens = extract_tokens(token_ids)?;
+    let keys = token_ids
+        .py()
+        .detach(|| keys::hash_tokens(&tokens, block_tokens));
+    Ok(PyBlockKeys { keys })
+}
+
+/// Block keys equal to SGLang's page hashes (the int64 values of its KV events, as unsigned bit
+/// patterns), so KV events and predictions land on the same keys.
+#[pyfunction]
+#[pyo3(signature = (token_ids, page_size))]
+fn hash_tokens_sglang(token_ids: &Bound<'_, PyAny>, page_size: i64) -> PyResult<PyBlockKeys> {
+    let page_size = positive("page_size", page_size)?;
+    let tokens = extract_tokens(token_ids)?;
+    let keys = token_ids
+        .py()
+        .detach(|| keys::sglang_page_hashes(&tokens, page_size));
+    Ok(PyBlockKeys { keys })
+}
+
+/// The result of `PrefixIndex.match`.
+#[pyclass(frozen, module = "smetric._prefix_index", name = "Match", sequence)]
+pub struct PyMatch {
+    blocks: Vec<u32>,
+    global_blocks: u32,
+    query_blocks: usize,
+}
+
+#[pymethods]
+impl PyMatch {
+    /// Leading blocks held, one entry per instance in `PrefixIndex.instances()` order.
+    #[getter]
+    fn blocks(&self) -> Vec<u32> {
+        self.blocks.clone()
+    }
+
+    /// Leading blocks held by the global tier (0 without one).
+    #[getter]
+    fn global_blocks(&self) -> u32 {
+        self.global_blocks
+    }
+
+    /// Blocks in the query.
+    #[getter]
+    fn query_blocks(&self) -> usize {
+        self.query_blocks
+    }
+
+    fn __len__(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn __getitem__(&self, i: isize) -> PyResult<u32> {
+        let n = self.blocks.len() as isize;
+        let j = if i < 0 { i + n } else { i };
+        if j < 0 || j >= n {
+            return Err(PyIndexError::new_err("Match index out of range"));
+        }
+        Ok(self.blocks[j as usize])
+    }
+
+    /// (position, blocks) of the instance holding the most, first one on ties; None if there
+    /// are no instances.
+    fn best(&self) -> Option<(usize, u32)> {
+        let mut best: Option<(usize, u32)> = None;
+        for (i, &b) in self.blocks.iter().enumerate() {
+            if best.is_none_or(|(_, bb)| b > bb) {
+                best = Some((i, b));
+            }
+        }
+        best
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Match(blocks={:?}, global_blocks={}, query_blocks={})",
+            self.blocks, self.global_blocks, self.query_blocks
+        )
+    }
+}
+
+/// Which leading blocks of a prompt each instance holds (see the `.pyi` for the full contract).
+#[pyclass(frozen, module = "smetric._prefix_index", name = "PrefixIndex")]
+pub struct PyPrefixIndex {
+    inner: RwLock<PrefixIndex>,
+}
+
+impl PyPrefixIndex {
+    fn read(&self) -> RwLockReadGuard<'_, PrefixIndex> {
+        // A panic in here is a bug, already raised to its caller as PanicException; later calls
+        // keep working rather than all failing on the poisoned lock.
+        self.inner.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> RwLockWriteGuard<'_, PrefixIndex> {
+        self.inner.write().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+fn stats_dict<'py>(py: Python<'py>, s: &InstanceStats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("blocks", s.blocks)?;
+    d.set_item("capacity_blocks", s.capacity_blocks)?;
+    d.set_item("nodes", s.nodes)?;
+    d.set_item("evicted_blocks", s.evicted_blocks)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyPrefixIndex {
+    #[new]
+    #[pyo3(signature = (global_capacity_blocks = None))]
+    fn new(global_capacity_blocks: Option<i64>) -> PyResult<Self> {
+        let mut index = PrefixIndex::new();
+        if let Some(cap) = global_capacity_blocks {
+            let cap = non_negative("global_capacity_blocks", cap)?;
+            index.add_instance(GLOBAL_TIER, cap).map_err(index_error)?;
+        }
+        Ok(PyPrefixIndex {
+            inner: RwLock::new(index),
+        })
+    }
+
+    fn add_instance(&self, py: Python<'_>, name: &str, capacity_blocks: i64) -> PyResult<()> {
+        let cap = non_negative("capacity_blocks", capacity_blocks)?;
+        py.detach(|| self.write().add_instance(name, cap))
+            .map_err(index_error)
+    }
+
+    fn remove_instance(&self, py: Python<'_>, name: &str) -> PyResult<u64> {
+        py.detach(|| self.write().remove_instance(name))
+            .map_err(index_error)
+    }
+
+    fn set_capacity(&self, py: Python<'_>, name: &str, capacity_blocks: i64) -> PyResult<u64> {
+        let cap = non_negative("capacity_blocks", capacity_blocks)?;
+        py.detach(|| self.write().set_capacity(name, cap))
+            .map_err(index_error)
+    }
+
+    fn instances(&self) -> Vec<String> {
+        self.read().instances()
+    }
+
+    fn __contains__(&self, name: &str) -> bool {
+        self.read().has_instance(name)
+    }
+
+    #[getter]
+    fn has_global_tier(&self) -> bool {
+        self.read().has_global_tier()
+    }
+
+    fn insert(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        keys: &Bound<'_, PyBlockKeys>,
+    ) -> PyResult<u64> {
+        let keys = &keys.get().keys;
+        py.detach(|| self.write().insert(instance, keys))
+            .map_err(index_error)
+    }
+
+    fn remove(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        keys: &Bound<'_, PyBlockKeys>,
+    ) -> PyResult<u64> {
+        let keys = &keys.get().keys;
+        py.detach(|| self.write().remove(instance, keys))
+            .map_err(index_error)
+    }
+
+    fn clear(&self, py: Python<'_>, instance: &str) -> PyResult<u64> {
+        py.detach(|| self.write().clear(instance))
+            .map_err(index_error)
+    }
+
+    #[pyo3(name = "match", signature = (keys, touch = true))]
+    fn match_all(&self, py: Python<'_>, keys: &Bound<'_, PyBlockKeys>, touch: bool) -> PyMatch {
+        let keys = &keys.get().keys;
+        let result = py.detach(|| {
+            if touch {
+                self.write().match_all_touch(keys)
+            } else {
+                self.read().match_all(keys)
+            }
+        });
+        PyMatch {
+            blocks: result.blocks,
+            global_blocks: result.global_blocks,
+            query_blocks: keys.len(),
+        }
+    }
+
+    #[pyo3(signature = (instance, keys, touch = true))]
+    fn match_instance(
+        &self,
+        py: Python<'_>,
+        instance: &str,
+        keys: &Bound<'_, PyBlockKeys>,
+        touch: bool,
+    ) -> PyResult<u32> {
+        let keys = &keys.get().keys;
+        py.detach(|| {
+            if touch {
+                self.write().match_instance_touch(instance, keys)
+            } else {
+                self.read().match_instance(instance, keys)
+            }
+        })
+        .map_err(index_error)
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| self.read().stats());
+        let out = PyDict::new(py);
+        let instances = PyDict::new(py);
+        for i in &s.instances {
+            instances.set_item(&i.name, stats_dict(py, i)?)?;
+        }
+        out.set_item("instances", instances)?;
+        match &s.global {
+            Some(g) => out.set_item("global", stats_dict(py, g)?)?,
+            None => out.set_item("global", py.None())?,
+        }
+        out.set_item("nodes", s.nodes)?;
+        out.set_item("unique_blocks", s.unique_blocks)?;
+        out.set_item("bytes_used", s.bytes_used)?;
+        Ok(out)
+    }
+
+    /// Checks the tree's internal invariants (raises AssertionError-like panic as RuntimeError);
+    /// for tests.
+    fn _check_invariants(&self, py: Python<'_>) {
+        py.detach(|| self.read().check_invariants())
+    }
+}
+
+#[pymodule]
+fn _prefix_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyBlockKeys>()?;
+    m.add_class::<PyMatch>()?;
+    m.add_class::<PyPrefixIndex>()?;
+    m.add_function(wrap_pyfunction!(hash_text, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(hash_tokens_sglang, m)?)?;
+    m.add("GLOBAL_TIER", GLOBAL_TIER)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
