@@ -1,0 +1,5 @@
+import sys
+
+from smetric.cli import main
+
+sys.exit(main())

@@ -1,0 +1,51 @@
+"""What the prefix index keys for a request.
+
+Chat requests are keyed on a deterministic serialization of their tools and messages, built so
+that a follow-up turn (the same messages plus the answer plus new messages) serializes to an
+extension of the previous turn's text, and so shares all of its full blocks:
+
+    tools:    "<|tools|>" + JSON of the tool list (sorted keys, compact) + "\\n"  (if any)
+    message:  "<|" + role + "|>" + content text
+              + ("<|calls|>" + JSON of tool_calls, if any)
+              + ("<|id|>" + tool_call_id, if any) + "\\n"
+
+Content given as a list of parts contributes its text parts in order. The serialization is only
+a key: the body the worker receives is never rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            part.get("text", "") if isinstance(part, Mapping) else str(part) for part in content
+        )
+    return _compact_json(content)
+
+
+def chat_prompt_text(messages: Iterable[Mapping[str, Any]], tools: list[Any] | None = None) -> str:
+    """The text the index keys for a chat request (see the module docstring)."""
+    parts = []
+    if tools:
+        parts.append("<|tools|>" + _compact_json(tools) + "\n")
+    for m in messages:
+        text = "<|" + str(m.get("role", "")) + "|>" + _content_text(m.get("content"))
+        if m.get("tool_calls"):
+            text += "<|calls|>" + _compact_json(m["tool_calls"])
+        if m.get("tool_call_id"):
+            text += "<|id|>" + str(m["tool_call_id"])
+        parts.append(text + "\n")
+    return "".join(parts)

@@ -1,0 +1,1 @@
+"""Workloads: loaders for real traces and agent sessions."""

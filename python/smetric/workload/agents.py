@@ -1,0 +1,65 @@
+"""Agent sessions with real chat messages (JSONL, one session a line; see shared traces README).
+
+Turn k's request messages are turn k-1's request messages, plus turn k-1's ``output_message``,
+plus turn k's ``appended_messages`` (turn 0: its ``appended_messages``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+BUNDLED = "taubench_airline_24.jsonl.gz"
+"""A slice of real tau-bench airline sessions shipped with the package (see data/NOTICE.md)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    messages: list[dict[str, Any]]
+    output_text: str
+    tool_time_s: float | None
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    tools: list[dict[str, Any]]
+    turns: list[Turn]
+
+
+def _lines(path: str | Path | None) -> Iterator[str]:
+    if path is None:
+        data = resources.files("smetric.data").joinpath(BUNDLED).read_bytes()
+        yield from gzip.decompress(data).decode().splitlines()
+        return
+    p = Path(path)
+    opener = gzip.open if p.suffix == ".gz" else open
+    with opener(p, "rt", encoding="utf-8") as f:
+        yield from f
+
+
+def load_sessions(path: str | Path | None = None, limit: int | None = None) -> list[Session]:
+    """Sessions from a JSONL file (``.gz`` allowed), or the bundled slice when ``path`` is None."""
+    sessions = []
+    for lineno, line in enumerate(_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+            messages: list[dict[str, Any]] = []
+            turns = []
+            for t in raw["turns"]:
+                messages = messages + t["appended_messages"]
+                turns.append(Turn(list(messages), t.get("output_text") or "", t.get("tool_time_s")))
+                messages = [*messages, t["output_message"]]
+            sessions.append(Session(raw["session_id"], raw.get("tools") or [], turns))
+        except (KeyError, TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path or BUNDLED}:{lineno}: not an agent session ({e!r})") from e
+        if limit is not None and len(sessions) >= limit:
+            break
+    return sessions
