@@ -56,8 +56,11 @@ impl PyBlockKeys {
             let keys = ids.py().detach(|| keys::chain_ids(&raw));
             return Ok(PyBlockKeys { keys });
         }
-        let mut seen = HashSet::with_capacity(raw.len());
-        if let Some(pos) = raw.iter().position(|k| !seen.insert(*k)) {
+        let repeated = ids.py().detach(|| {
+            let mut seen = HashSet::with_capacity(raw.len());
+            raw.iter().position(|k| !seen.insert(*k))
+        });
+        if let Some(pos) = repeated {
             return Err(PyValueError::new_err(format!(
                 "chained ids must be distinct: id at position {pos} repeats an earlier one"
             )));
