@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from smetric import __version__
+from smetric.perf import DEFAULT_PROFILE, PRESETS, load_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +19,54 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="replay bundled real agent sessions through the index")
     demo.add_argument("--instances", type=int, default=4)
     demo.add_argument("--capacity-blocks", type=int, default=4096)
+    emulate = sub.add_parser(
+        "emulate",
+        help="run emulated SGLang workers (engine model behind SGLang's HTTP API)",
+        description="Runs emulated SGLang workers in one process, sharing one global KV tier, "
+        "until interrupted. Each listens on its own port from --base-port.",
+    )
+    emulate.add_argument("--workers", type=int, default=4, help="colocated workers (default 4)")
+    emulate.add_argument("--base-port", type=int, default=30000)
+    emulate.add_argument("--host", default="127.0.0.1")
+    emulate.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"a preset ({', '.join(sorted(PRESETS))}) or a profile JSON file",
+    )
+    emulate.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="run this many times faster than real time (default 1)",
+    )
+    emulate.add_argument("--model-name", default="default")
+    emulate.add_argument("--chunk-tokens", type=int, default=8192)
+    emulate.add_argument("--max-running-requests", type=int, default=256)
+    emulate.add_argument(
+        "--kv-pool-tokens",
+        type=int,
+        default=None,
+        help="KV pool per worker (default: from the profile)",
+    )
+    emulate.add_argument(
+        "--no-global-tier", action="store_true", help="workers share no global KV tier"
+    )
+    emulate.add_argument("--global-capacity-tokens", type=int, default=64_000_000)
+    emulate.add_argument(
+        "--global-bandwidth-gbps",
+        type=float,
+        default=25.0,
+        help="global tier load bandwidth, GB/s (default 25)",
+    )
+    emulate.add_argument(
+        "--pd",
+        metavar="P,D",
+        default=None,
+        help="PD disaggregation: P prefill and D decode workers",
+    )
     args = parser.parse_args(argv)
+    if args.command == "emulate":
+        return _emulate(parser, args)
     if args.command == "demo":
         from smetric.demo import main as demo_main
 
@@ -25,6 +74,71 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--instances must be >= 1 and --capacity-blocks >= 0")
         return demo_main(args.instances, args.capacity_blocks)
     return 2
+
+
+def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from smetric.emulator import EmulatedCluster
+    from smetric.engine import EngineConfig, GlobalTierConfig
+
+    try:
+        profile = load_profile(args.profile)
+    except ValueError as e:
+        parser.error(str(e))
+    pd = None
+    if args.pd:
+        try:
+            p, d = (int(x) for x in args.pd.split(","))
+        except ValueError:
+            parser.error("--pd takes P,D (two integers)")
+        if p < 1 or d < 1:
+            parser.error("--pd needs at least one prefill and one decode worker")
+        pd = (p, d)
+    if args.workers < 1 or args.time_scale <= 0 or args.chunk_tokens < 1:
+        parser.error("--workers and --chunk-tokens must be >= 1, --time-scale > 0")
+    if not 0 <= args.base_port < 65536:
+        parser.error("--base-port must be a TCP port")
+    config = EngineConfig(
+        chunk_tokens=args.chunk_tokens,
+        max_running_requests=args.max_running_requests,
+        kv_pool_tokens=args.kv_pool_tokens,
+    )
+    tier = (
+        None
+        if args.no_global_tier
+        else GlobalTierConfig(
+            capacity_tokens=args.global_capacity_tokens,
+            load_bytes_per_s=args.global_bandwidth_gbps * 1e9,
+        )
+    )
+    cluster = EmulatedCluster(
+        profile,
+        args.workers,
+        args.base_port,
+        args.host,
+        args.time_scale,
+        config,
+        tier,
+        pd,
+        args.model_name,
+    )
+
+    async def serve() -> None:
+        urls = await cluster.start()
+        roles = ", ".join(f"{w.name}={u}" for w, u in zip(cluster.workers, urls, strict=True))
+        print(
+            f"emulating {len(urls)} SGLang workers ({profile.name}, x{args.time_scale}): {roles}",
+            flush=True,
+        )
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await cluster.stop()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve())
+    return 0
 
 
 if __name__ == "__main__":
