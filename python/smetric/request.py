@@ -16,8 +16,12 @@ a key: the body the worker receives is never rewritten.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from smetric import BlockKeys, hash_text, hash_tokens
 
 
 def _compact_json(value: Any) -> str:
@@ -49,3 +53,41 @@ def chat_prompt_text(messages: Iterable[Mapping[str, Any]], tools: list[Any] | N
             text += "<|id|>" + str(m["tool_call_id"])
         parts.append(text + "\n")
     return "".join(parts)
+
+
+TEXT_BLOCK_BYTES = 64
+"""Text prompts are keyed in blocks of 64 UTF-8 bytes."""
+TOKEN_BLOCK_TOKENS = 16
+"""Token prompts are keyed in blocks of 16 ids (SGLang's common page size)."""
+BYTES_PER_TOKEN = 3.4
+"""Without a tokenizer, a prompt has about 3.4 UTF-8 bytes a token (measured on agent sessions'
+prompts, which are JSON-heavy; shared traces README)."""
+
+
+@dataclass(frozen=True)
+class PromptKey:
+    """A prompt as the index and the engine see it."""
+
+    keys: BlockKeys
+    prompt_tokens: int
+    block_tokens: float
+    """Prompt tokens per key block (an estimate for text)."""
+
+
+def text_prompt_tokens(text_bytes: int) -> int:
+    return max(1, math.ceil(text_bytes / BYTES_PER_TOKEN))
+
+
+def key_text(text: str | bytes) -> PromptKey:
+    raw = text.encode() if isinstance(text, str) else text
+    return PromptKey(
+        hash_text(raw, TEXT_BLOCK_BYTES),
+        text_prompt_tokens(len(raw)),
+        TEXT_BLOCK_BYTES / BYTES_PER_TOKEN,
+    )
+
+
+def key_tokens(token_ids: Sequence[int]) -> PromptKey:
+    return PromptKey(
+        hash_tokens(token_ids, TOKEN_BLOCK_TOKENS), len(token_ids), float(TOKEN_BLOCK_TOKENS)
+    )

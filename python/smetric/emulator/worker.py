@@ -18,7 +18,6 @@ from typing import Any
 
 from aiohttp import web
 
-from smetric import BlockKeys, hash_text, hash_tokens
 from smetric.emulator.metrics import Histogram, render_metrics
 from smetric.engine import (
     Cluster,
@@ -27,14 +26,10 @@ from smetric.engine import (
     EngineRequest,
     IterationEvents,
     RequestTooLarge,
-    text_prompt_tokens,
 )
 from smetric.perf import Profile
-from smetric.request import chat_prompt_text
+from smetric.request import TOKEN_BLOCK_TOKENS, chat_prompt_text, key_text, key_tokens
 
-TEXT_BLOCK_BYTES = 64
-TOKEN_BLOCK_TOKENS = 16
-BYTES_PER_TOKEN = 3.4
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 FILLER = ("the", " agent", " calls", " a", " tool", " and", " reads", " its", " output", ".")
 
@@ -132,6 +127,7 @@ class EmulatedWorker:
         self._last_token_s: dict[EngineRequest, float] = {}
         self._wake = asyncio.Event()
         self._last_end = 0.0
+        self._back_to_back = False
         self._loop_task: asyncio.Task[None] | None = None
         self.ttft_hist = Histogram(Histogram.TTFT_BUCKETS)
         self.e2e_hist = Histogram(Histogram.E2E_BUCKETS)
@@ -155,21 +151,24 @@ class EmulatedWorker:
         engine = self.engine
         while True:
             if not engine.has_work():
+                self._back_to_back = False
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             # Back to back, an iteration starts when the last one ended on the virtual clock, so
-            # event-loop lag does not add up; after idling it starts now.
-            start = max(self.clock.now(), self._last_end)
+            # timer overshoot does not add up; after idling it starts now.
+            start = self._last_end if self._back_to_back else self.clock.now()
             engine.slowdown = self.fault.factor if self.fault.mode == "slow" else 1.0
             batch = engine.next_batch(start)
             if batch is None:
+                self._back_to_back = False
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             end = start + batch.duration_s
             await self.clock.sleep_until(end)
             self._last_end = end
+            self._back_to_back = True
             self._deliver(engine.finish_batch(batch, end), end)
 
     def _deliver(self, events: IterationEvents, now: float) -> None:
@@ -226,17 +225,11 @@ class EmulatedWorker:
     # ---- request parsing -----------------------------------------------------------------
 
     def _engine_request(
-        self, rid: str, text: str | None, input_ids: list[int] | None, max_new: int
+        self, rid: str, text: str | None, input_ids: list[int] | None, max_new: int, arrived: float
     ) -> EngineRequest:
-        if input_ids is not None:
-            keys: BlockKeys = hash_tokens(input_ids, TOKEN_BLOCK_TOKENS)
-            prompt, block_tokens = len(input_ids), float(TOKEN_BLOCK_TOKENS)
-        else:
-            raw = (text or "").encode()
-            keys = hash_text(raw, TEXT_BLOCK_BYTES)
-            prompt = text_prompt_tokens(len(raw), BYTES_PER_TOKEN)
-            block_tokens = TEXT_BLOCK_BYTES / BYTES_PER_TOKEN
-        req = EngineRequest(rid, prompt, max_new, keys, block_tokens, arrival_s=self.clock.now())
+        key = key_tokens(input_ids) if input_ids is not None else key_text(text or "")
+        prompt = key.prompt_tokens
+        req = EngineRequest(rid, prompt, max_new, key.keys, key.block_tokens, arrival_s=arrived)
         try:
             self.engine.check(req)
         except RequestTooLarge:
@@ -338,6 +331,7 @@ class EmulatedWorker:
     # /generate -----------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        arrived = self.clock.now()
         try:
             if (gate := await self._fault_gate()) is not None:
                 return gate
@@ -357,7 +351,7 @@ class EmulatedWorker:
             )
             rid = body.get("rid")
             rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
-            req = self._engine_request(rid, text, input_ids, max(max_new, 1))
+            req = self._engine_request(rid, text, input_ids, max(max_new, 1), arrived)
             stream = await self._run_request(request, body, req)
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
@@ -434,6 +428,7 @@ class EmulatedWorker:
         return await self._openai(request, chat=False)
 
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = self.clock.now()
         try:
             if (gate := await self._fault_gate()) is not None:
                 return gate
@@ -464,7 +459,7 @@ class EmulatedWorker:
             max_new = self._int_field(limit, "max_tokens", DEFAULT_MAX_NEW_TOKENS)
             rid = body.get("rid")
             rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
-            req = self._engine_request(rid, text, input_ids, max(max_new, 1))
+            req = self._engine_request(rid, text, input_ids, max(max_new, 1), arrived)
             model = body.get("model")
             model = model if isinstance(model, str) else self.model_name
             stream = await self._run_request(request, body, req)

@@ -11,7 +11,6 @@ from smetric.engine.model import (
     Phase,
     RequestTooLarge,
     WorkerLoad,
-    text_prompt_tokens,
 )
 
 __all__ = [
@@ -25,5 +24,4 @@ __all__ = [
     "Phase",
     "RequestTooLarge",
     "WorkerLoad",
-    "text_prompt_tokens",
 ]

@@ -26,7 +26,6 @@ answer, not the emulator's filler text, so they could never match.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -411,9 +410,3 @@ class Engine:
             self.config.pd_transfer_bytes_per_s,
             self.config.pd_transfer_latency_s,
         )
-
-
-def text_prompt_tokens(text_bytes: int, bytes_per_token: float = 3.4) -> int:
-    """Prompt tokens of a text prompt without a tokenizer: about 3.4 UTF-8 bytes a token, as
-    measured on agent sessions (SWE-bench agents' prompts; shared traces README)."""
-    return max(1, math.ceil(text_bytes / bytes_per_token))
