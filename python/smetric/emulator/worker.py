@@ -12,6 +12,7 @@ import contextlib
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,8 +83,20 @@ def _resolve(fut: asyncio.Future[EngineRequest], req: EngineRequest) -> None:
         fut.set_result(req)
 
 
+_FILLER_PREFIXES = [""]
+_OUTPUT_IDS = list(range(1000)) * 8
+
+
 def _filler_text(n: int) -> str:
-    return "".join(FILLER[i % len(FILLER)] for i in range(n))
+    """The emulated output text of ``n`` tokens (prefixes cached: streams ask for every n)."""
+    while len(_FILLER_PREFIXES) <= n:
+        k = len(_FILLER_PREFIXES)
+        _FILLER_PREFIXES.append(_FILLER_PREFIXES[-1] + FILLER[(k - 1) % len(FILLER)])
+    return _FILLER_PREFIXES[n]
+
+
+def _output_ids(n: int) -> list[int]:
+    return _OUTPUT_IDS[:n] if n <= len(_OUTPUT_IDS) else [i % 1000 for i in range(n)]
 
 
 class PDRendezvous:
@@ -129,6 +142,8 @@ class EmulatedWorker:
         self._last_end = 0.0
         self._back_to_back = False
         self._loop_task: asyncio.Task[None] | None = None
+        self.completed: deque[dict[str, Any]] = deque(maxlen=100_000)
+        """The engine's own timing of finished requests (wall seconds), for fidelity checks."""
         self.ttft_hist = Histogram(Histogram.TTFT_BUCKETS)
         self.e2e_hist = Histogram(Histogram.E2E_BUCKETS)
         self.itl_hist = Histogram(Histogram.ITL_BUCKETS)
@@ -184,6 +199,15 @@ class EmulatedWorker:
             self._push(req, "token")
         for req in events.finished:
             self.e2e_hist.observe((now - req.arrival_s) / scale)
+            ttft, tpot = req.ttft_s, req.tpot_s
+            self.completed.append(
+                {
+                    "rid": req.rid,
+                    "ttft_s": None if ttft is None else ttft / scale,
+                    "tpot_s": None if tpot is None else tpot / scale,
+                    "e2e_s": (now - req.arrival_s) / scale,
+                }
+            )
             self._last_token_s.pop(req, None)
             self._push(req, "finish")
         for req in events.handoff:
@@ -292,6 +316,7 @@ class EmulatedWorker:
         r.add_get("/metrics", self.metrics)
         r.add_post("/_emulator/fault", self.set_fault)
         r.add_get("/_emulator/fault", self.get_fault)
+        r.add_get("/_emulator/completed", self.get_completed)
         return app
 
     async def _fault_gate(self) -> web.Response | None:
@@ -380,7 +405,7 @@ class EmulatedWorker:
             meta["e2e_latency"] = (self.clock.now() - req.arrival_s) / self.clock.time_scale
         return {
             "text": _filler_text(n),
-            "output_ids": [i % 1000 for i in range(n)],
+            "output_ids": _output_ids(n),
             "meta_info": meta,
         }
 
@@ -750,6 +775,9 @@ class EmulatedWorker:
             return web.json_response({"error": {"message": str(e)}}, status=400)
         self.fault = Fault(mode, float(factor), after)
         return web.json_response(self._fault_dict())
+
+    async def get_completed(self, request: web.Request) -> web.Response:
+        return web.json_response(list(self.completed))
 
     async def get_fault(self, request: web.Request) -> web.Response:
         return web.json_response(self._fault_dict())
