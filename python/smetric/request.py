@@ -91,3 +91,109 @@ def key_tokens(token_ids: Sequence[int]) -> PromptKey:
     return PromptKey(
         hash_tokens(token_ids, TOKEN_BLOCK_TOKENS), len(token_ids), float(TOKEN_BLOCK_TOKENS)
     )
+
+
+class BadRequest(ValueError):
+    """The request cannot be routed; the message says why (it goes back as a 400)."""
+
+
+SESSION_HEADERS = ("x-smg-routing-key", "x-session-id")
+"""Headers that name a session (a hint to policies, never required)."""
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """What policies see of a request: its keyed prompt and a few facts about it."""
+
+    api: str
+    """``generate``, ``chat`` or ``completions``."""
+    key: PromptKey
+    max_new_tokens: int
+    stream: bool
+    session_key: str | None = None
+    is_first_turn: bool | None = None
+    """Chat: no assistant or tool message yet. None where the API cannot tell (raw prompts)."""
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.key.prompt_tokens
+
+
+def _max_tokens(value: Any, name: str) -> int:
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    if type(value) is not int or value < 0:
+        raise BadRequest(f"{name} must be a non-negative integer")
+    return value
+
+
+def _token_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"{name} must be a non-empty list of token ids")
+    if not all(type(t) is int and 0 <= t < 2**32 for t in value):
+        raise BadRequest(f"{name} must hold token ids (ints in 0..2**32)")
+    return value
+
+
+def view_request(api: str, body: Any, headers: Mapping[str, str] | None = None) -> RequestView:
+    """Parses a request body of one of SGLang's generation APIs into a view.
+
+    Raises ``BadRequest`` for anything a worker would reject as malformed. Batched inputs (a list
+    of prompts) are keyed on their first prompt.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    session = None
+    if headers is not None:
+        for h in SESSION_HEADERS:
+            if headers.get(h):
+                session = headers[h]
+                break
+    stream = bool(body.get("stream", False))
+    first: bool | None = None
+    if api == "generate":
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise BadRequest("Either text or input_ids should be provided.")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise BadRequest("sampling_params must be an object")
+        max_new = _max_tokens(params.get("max_new_tokens"), "max_new_tokens")
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            text = text[0]
+        if isinstance(ids, list) and ids and isinstance(ids[0], list):
+            ids = ids[0]
+        if text is not None:
+            if not isinstance(text, str):
+                raise BadRequest("text must be a string or a list of strings")
+            key = key_text(text)
+        else:
+            key = key_tokens(_token_list(ids, "input_ids"))
+    elif api == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise BadRequest("each message must be an object with a string role")
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("tools must be a list")
+        key = key_text(chat_prompt_text(messages, tools))
+        first = not any(m["role"] in ("assistant", "tool") for m in messages)
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_new = _max_tokens(limit, "max_tokens")
+    elif api == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            key = key_text(prompt)
+        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            key = key_tokens(_token_list(prompt, "prompt"))
+        else:
+            raise BadRequest("prompt must be a string or a list of token ids")
+        max_new = _max_tokens(body.get("max_tokens"), "max_tokens")
+    else:
+        raise ValueError(f"unknown api {api!r}")
+    return RequestView(api, key, max_new, stream, session, first)

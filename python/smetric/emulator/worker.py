@@ -29,9 +29,8 @@ from smetric.engine import (
     RequestTooLarge,
 )
 from smetric.perf import Profile
-from smetric.request import TOKEN_BLOCK_TOKENS, chat_prompt_text, key_text, key_tokens
+from smetric.request import TOKEN_BLOCK_TOKENS, BadRequest, RequestView, view_request
 
-DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
 FILLER = ("the", " agent", " calls", " a", " tool", " and", " reads", " its", " output", ".")
 
 
@@ -72,10 +71,6 @@ class Stream:
 
     req: EngineRequest
     events: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
-
-
-class BadRequest(Exception):
-    pass
 
 
 def _resolve(fut: asyncio.Future[EngineRequest], req: EngineRequest) -> None:
@@ -249,17 +244,20 @@ class EmulatedWorker:
     # ---- request parsing -----------------------------------------------------------------
 
     def _engine_request(
-        self, rid: str, text: str | None, input_ids: list[int] | None, max_new: int, arrived: float
+        self, view: RequestView, body: dict[str, Any], arrived: float
     ) -> EngineRequest:
-        key = key_tokens(input_ids) if input_ids is not None else key_text(text or "")
-        prompt = key.prompt_tokens
-        req = EngineRequest(rid, prompt, max_new, key.keys, key.block_tokens, arrival_s=arrived)
+        rid = body.get("rid")
+        rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
+        key, max_new = view.key, max(view.max_new_tokens, 1)
+        req = EngineRequest(
+            rid, key.prompt_tokens, max_new, key.keys, key.block_tokens, arrival_s=arrived
+        )
         try:
             self.engine.check(req)
         except RequestTooLarge:
             raise BadRequest(
-                f"The input ({prompt} tokens) is longer than the model's context length "
-                f"({self.engine.pool_tokens - max_new} tokens)."
+                f"The input ({key.prompt_tokens} tokens) is longer than the model's context "
+                f"length ({self.engine.pool_tokens - max_new} tokens)."
             ) from None
         return req
 
@@ -343,16 +341,6 @@ class EmulatedWorker:
             raise BadRequest(f"{name} must be a non-negative integer")
         return value
 
-    @staticmethod
-    def _token_ids(value: Any, name: str) -> list[int]:
-        if not isinstance(value, list) or not value:
-            raise BadRequest(f"{name} must be a non-empty list of token ids")
-        if not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in value
-        ):
-            raise BadRequest(f"{name} must hold token ids (ints in 0..2**32)")
-        return value
-
     # /generate -----------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -361,22 +349,12 @@ class EmulatedWorker:
             if (gate := await self._fault_gate()) is not None:
                 return gate
             body = await self._json(request)
-            text, input_ids = body.get("text"), body.get("input_ids")
-            if (text is None) == (input_ids is None):
-                raise BadRequest("Either text or input_ids should be provided.")
-            if text is not None and not isinstance(text, str):
-                raise BadRequest("text must be a string (batched requests are not emulated)")
-            if input_ids is not None:
-                input_ids = self._token_ids(input_ids, "input_ids")
-            params = body.get("sampling_params") or {}
-            if not isinstance(params, dict):
-                raise BadRequest("sampling_params must be an object")
-            max_new = self._int_field(
-                params.get("max_new_tokens"), "max_new_tokens", DEFAULT_MAX_NEW_TOKENS
-            )
-            rid = body.get("rid")
-            rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
-            req = self._engine_request(rid, text, input_ids, max(max_new, 1), arrived)
+            ids = body.get("input_ids")
+            if isinstance(body.get("text"), list) or (
+                isinstance(ids, list) and ids and isinstance(ids[0], list)
+            ):
+                raise BadRequest("batched requests are not emulated")
+            req = self._engine_request(view_request("generate", body), body, arrived)
             stream = await self._run_request(request, body, req)
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
@@ -458,33 +436,9 @@ class EmulatedWorker:
             if (gate := await self._fault_gate()) is not None:
                 return gate
             body = await self._json(request)
-            text: str | None
-            input_ids: list[int] | None = None
-            if chat:
-                messages = body.get("messages")
-                if not isinstance(messages, list) or not messages:
-                    raise BadRequest("messages must be a non-empty list")
-                if not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
-                ):
-                    raise BadRequest("each message must be an object with a string role")
-                tools = body.get("tools")
-                if tools is not None and not isinstance(tools, list):
-                    raise BadRequest("tools must be a list")
-                text = chat_prompt_text(messages, tools)
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, str):
-                    text = prompt
-                elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                    text, input_ids = None, self._token_ids(prompt, "prompt")
-                else:
-                    raise BadRequest("prompt must be a string or a list of token ids")
-            limit = body.get("max_completion_tokens", body.get("max_tokens"))
-            max_new = self._int_field(limit, "max_tokens", DEFAULT_MAX_NEW_TOKENS)
-            rid = body.get("rid")
-            rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
-            req = self._engine_request(rid, text, input_ids, max(max_new, 1), arrived)
+            req = self._engine_request(
+                view_request("chat" if chat else "completions", body), body, arrived
+            )
             model = body.get("model")
             model = model if isinstance(model, str) else self.model_name
             stream = await self._run_request(request, body, req)
