@@ -1,0 +1,45 @@
+"""What a policy sees of the cluster: an immutable snapshot, one entry per eligible worker.
+
+The router builds it from its own accounting (updated at dispatch, first token and finish) and
+the loads it polls from workers; the simulator builds it from its engines. Either way, a policy
+is a pure function of a ``RequestView`` and a ``ClusterView``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    url: str
+    in_flight: int = 0
+    """Requests dispatched and not finished."""
+    queued_prefill_tokens: int = 0
+    """Uncached prompt tokens of dispatched requests whose first token has not come back."""
+    running_decode_tokens: int = 0
+    """Context tokens of requests that are decoding."""
+    polled_running: int = 0
+    polled_waiting: int = 0
+    token_usage: float = 0.0
+    local_hit_blocks: int = 0
+    """Leading blocks of this request the worker holds (the prefix index's answer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterView:
+    workers: tuple[WorkerView, ...]
+    """Eligible workers only (healthy, circuit closed); a decision names an index into this."""
+    global_hit_blocks: int = 0
+    query_blocks: int = 0
+    block_tokens: float = 16.0
+
+    def local_hit_tokens(self, i: int, prompt_tokens: int) -> int:
+        return min(int(self.workers[i].local_hit_blocks * self.block_tokens), prompt_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    worker: int
+    """Index into ``ClusterView.workers``."""
+    reason: str

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+from smetric.cluster import ClusterView, Decision
+from smetric.request import RequestView
+
+GLOBAL_TIER_CREDIT = 0.5
+"""Dynamo credits blocks found in a shared (HiCache / Mooncake) tier at half a local hit."""
+
+
+class KvCost:
+    """Dynamo's KV router cost: the lowest ``prefill_blocks x weight + decode_blocks``, where
+    ``prefill_blocks`` are the prompt's blocks left after the overlap credit (1 for a local hit,
+    0.5 for a global-tier hit) and ``decode_blocks`` the worker's active KV blocks."""
+
+    name = "kv_cost"
+
+    def __init__(self, config: object = None, overlap_weight: float = 1.0) -> None:
+        self.overlap_weight = overlap_weight
+
+    def select(self, req: RequestView, cluster: ClusterView) -> Decision:
+        q, bt = cluster.query_blocks, cluster.block_tokens
+
+        def cost(i: int) -> float:
+            w = cluster.workers[i]
+            local = w.local_hit_blocks
+            shared = max(cluster.global_hit_blocks - local, 0)
+            prefill = q - local - GLOBAL_TIER_CREDIT * shared
+            active = (w.queued_prefill_tokens + w.running_decode_tokens) / bt
+            return prefill * self.overlap_weight + active
+
+        return Decision(min(range(len(cluster.workers)), key=cost), "kv_cost")
