@@ -11,11 +11,19 @@ from smetric.perf import DEFAULT_PROFILE, PRESETS, load_profile
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from smetric.launch_router import main as serve_main
+
+        return serve_main(argv[1:], prog="smetric serve")
     parser = argparse.ArgumentParser(
         prog="smetric", description="Session-aware router for LLM clusters serving agents."
     )
     parser.add_argument("--version", action="version", version=f"smetric {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "serve", help="run the router (sglang_router.launch_router's flags)", add_help=False
+    )
     demo = sub.add_parser("demo", help="replay bundled real agent sessions through the index")
     demo.add_argument("--instances", type=int, default=4)
     demo.add_argument("--capacity-blocks", type=int, default=4096)

@@ -19,7 +19,6 @@ from typing import Any
 
 from aiohttp import web
 
-from smetric.emulator.metrics import Histogram, render_metrics
 from smetric.engine import (
     Cluster,
     Engine,
@@ -29,6 +28,7 @@ from smetric.engine import (
     RequestTooLarge,
 )
 from smetric.perf import Profile
+from smetric.prom import Histogram, render_metrics
 from smetric.request import TOKEN_BLOCK_TOKENS, BadRequest, RequestView, view_request
 
 FILLER = ("the", " agent", " calls", " a", " tool", " and", " reads", " its", " output", ".")

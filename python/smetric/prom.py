@@ -1,4 +1,4 @@
-"""Prometheus text exposition of the emulated worker's ``sglang:`` metrics."""
+"""Prometheus text exposition (the emulated worker's ``sglang:`` metrics, the router's own)."""
 
 from __future__ import annotations
 
@@ -93,7 +93,22 @@ def _labels(labels: Mapping[str, str], extra: str = "") -> str:
     parts = [f'{k}="{v}"' for k, v in labels.items()]
     if extra:
         parts.append(extra)
-    return "{" + ",".join(parts) + "}"
+    return "{" + ",".join(parts) + "}" if parts else ""
+
+
+def _histogram_lines(full: str, h: Histogram, labels: Mapping[str, str]) -> list[str]:
+    lines = [f"# TYPE {full} histogram"]
+    cumulative = 0
+    for bound, count in zip(h.buckets, h.counts, strict=False):
+        cumulative += count
+        le = _labels(labels, 'le="' + str(bound) + '"')
+        lines.append(f"{full}_bucket{le} {cumulative}")
+    le = _labels(labels, 'le="+Inf"')
+    lines.append(f"{full}_bucket{le} {h.count}")
+    lab = _labels(labels)
+    lines.append(f"{full}_sum{lab} {h.total}")
+    lines.append(f"{full}_count{lab} {h.count}")
+    return lines
 
 
 def render_metrics(
@@ -101,22 +116,31 @@ def render_metrics(
     gauges: Mapping[str, float],
     counters: Mapping[str, float],
     histograms: Mapping[str, Histogram],
+    prefix: str = "sglang:",
 ) -> str:
+    """One series per name, all with the same labels."""
     lines = []
     lab = _labels(labels)
     for name, value in gauges.items():
-        lines += [f"# TYPE sglang:{name} gauge", f"sglang:{name}{lab} {value}"]
+        lines += [f"# TYPE {prefix}{name} gauge", f"{prefix}{name}{lab} {value}"]
     for name, value in counters.items():
-        lines += [f"# TYPE sglang:{name} counter", f"sglang:{name}{lab} {value}"]
+        lines += [f"# TYPE {prefix}{name} counter", f"{prefix}{name}{lab} {value}"]
     for name, h in histograms.items():
-        lines.append(f"# TYPE sglang:{name} histogram")
-        cumulative = 0
-        for bound, count in zip(h.buckets, h.counts, strict=False):
-            cumulative += count
-            le = _labels(labels, 'le="' + str(bound) + '"')
-            lines.append(f"sglang:{name}_bucket{le} {cumulative}")
-        le = _labels(labels, 'le="+Inf"')
-        lines.append(f"sglang:{name}_bucket{le} {h.count}")
-        lines.append(f"sglang:{name}_sum{lab} {h.total}")
-        lines.append(f"sglang:{name}_count{lab} {h.count}")
+        lines += _histogram_lines(prefix + name, h, labels)
+    return "\n".join(lines) + "\n"
+
+
+def render_families(
+    prefix: str,
+    families: Mapping[str, tuple[str, Mapping[tuple[tuple[str, str], ...], float]]],
+    histograms: Mapping[str, Histogram],
+) -> str:
+    """Labelled series: ``families[name] = (type, {((label, value), ...): number})``."""
+    lines = []
+    for name, (kind, series) in families.items():
+        lines.append(f"# TYPE {prefix}{name} {kind}")
+        for labels, value in series.items():
+            lines.append(f"{prefix}{name}{_labels(dict(labels))} {value}")
+    for name, h in histograms.items():
+        lines += _histogram_lines(prefix + name, h, {})
     return "\n".join(lines) + "\n"

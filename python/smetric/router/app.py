@@ -1,0 +1,773 @@
+"""The router: SGLang's router HTTP surface over a worker registry, the prefix index and a policy.
+
+Hot path, top to bottom: ``_route`` reads and parses the body (``view_request``), ``_snapshot``
+keys and matches the prompt against every worker at once and builds the policy's view, the policy
+decides, ``_forward`` sends the body byte for byte and streams the answer back chunk by chunk,
+and the accounting follows the request (dispatch, first chunk, finish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import aiohttp
+from aiohttp import web
+
+from smetric import PrefixIndex
+from smetric.cluster import ClusterView, Decision
+from smetric.policies import Policy, PolicyConfig, make_policy
+from smetric.prom import Histogram, render_families
+from smetric.request import BYTES_PER_TOKEN, TEXT_BLOCK_BYTES, BadRequest, RequestView, view_request
+from smetric.router.config import RouterConfig
+from smetric.router.workers import Worker
+
+log = logging.getLogger("smetric.router")
+
+DEFAULT_WORKER_TOKENS = 1_000_000
+"""KV tokens assumed for a worker that does not report ``max_total_num_tokens``."""
+ROUTES = {"/generate": "generate", "/v1/chat/completions": "chat", "/v1/completions": "completions"}
+
+
+class Retry(Exception):
+    """The worker failed before anything reached the client: try another."""
+
+
+def error_json(status: int, message: str, kind: str | None = None) -> web.Response:
+    kind = kind or {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        413: "RequestTooLarge",
+        503: "ServiceUnavailable",
+    }.get(status, "ServerError")
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    )
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        pc = PolicyConfig(
+            config.cache_threshold,
+            config.balance_abs_threshold,
+            config.balance_rel_threshold,
+            config.seed,
+        )
+        main = config.prefill_policy if config.pd_disaggregation and config.prefill_policy else None
+        self.policy: Policy = make_policy(main or config.policy, pc)
+        self.decode_policy: Policy = make_policy(config.decode_policy or "least_load", pc)
+        self.index = PrefixIndex()
+        self.workers: dict[str, Worker] = {}
+        self.session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._rng = random.Random(config.seed)
+        self._load_paths: dict[str, str] = {}
+        # Metrics.
+        self.requests = Counter[tuple[str, int]]()
+        self.decisions = Counter[tuple[str, str]]()
+        self.retries = 0
+        self.prompt_tokens = 0
+        self.prefix_hit_tokens = 0
+        self.ttft = Histogram(Histogram.TTFT_BUCKETS)
+        self.e2e = Histogram(Histogram.E2E_BUCKETS)
+
+    # ---- life cycle ----------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.max_payload_size, middlewares=[self._json_errors]
+        )
+        r = app.router
+        for path in ROUTES:
+            r.add_post(path, self.handle_generation)
+        r.add_get("/health", self.health)
+        r.add_get("/liveness", self.health)
+        r.add_get("/readiness", self.readiness)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.proxy_get)
+        for path in ("/get_model_info", "/model_info", "/v1/models"):
+            r.add_get(path, self.proxy_get)
+        r.add_get("/get_loads", self.get_loads)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/metrics", self.metrics)
+        r.add_get("/workers", self.list_workers_v2)
+        r.add_post("/workers", self.post_worker)
+        r.add_delete("/workers/{id}", self.delete_worker)
+        r.add_post("/add_worker", self.add_worker_legacy)
+        r.add_post("/remove_worker", self.remove_worker_legacy)
+        r.add_get("/list_workers", self.list_workers)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await self.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                timeout=aiohttp.ClientTimeout(total=None),
+                auto_decompress=False,
+            )
+        c = self.config
+        initial: list[tuple[str, str, int | None]] = [(u, "regular", None) for u in c.worker_urls]
+        initial += [(u, "prefill", port) for u, port in c.prefill]
+        initial += [(u, "decode", None) for u in c.decode]
+        await asyncio.gather(
+            *(
+                self.register(u, role, port, c.worker_startup_timeout_secs, strict=False)
+                for u, role, port in initial
+            )
+        )
+        loop = asyncio.get_running_loop()
+        if not c.disable_health_check:
+            self._tasks.append(loop.create_task(self._health_loop()))
+        self._tasks.append(loop.create_task(self._load_loop()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    # ---- worker registry -----------------------------------------------------------------
+
+    async def _get(self, url: str, path: str, timeout: float) -> tuple[int, Any]:
+        assert self.session is not None
+        async with self.session.get(
+            url + path, timeout=aiohttp.ClientTimeout(total=timeout)
+        ) as resp:
+            body = await resp.read()
+            try:
+                return resp.status, json.loads(body) if body else None
+            except ValueError:
+                return resp.status, None
+
+    async def _probe(self, url: str) -> bool:
+        try:
+            status, _ = await self._get(
+                url, self.config.health_check_endpoint, self.config.health_check_timeout_secs
+            )
+            return status == 200
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return False
+
+    async def _info(self, url: str, *paths: str) -> dict[str, Any]:
+        for path in paths:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                status, body = await self._get(url, path, self.config.health_check_timeout_secs)
+                if status == 200 and isinstance(body, dict):
+                    return body
+        return {}
+
+    async def register(
+        self,
+        url: str,
+        role: str = "regular",
+        bootstrap_port: int | None = None,
+        wait_s: float = 0.0,
+        strict: bool = True,
+    ) -> Worker:
+        """Adds a worker as SGLang's router does (``/health``, ``/server_info``, ``/model_info``,
+        the older ``get_`` forms as fallback). ``strict``: an unreachable worker is an error;
+        otherwise it joins unhealthy and the health checks bring it in."""
+        url = url.rstrip("/")
+        if url in self.workers:
+            raise BadRequest(f"worker {url} is already registered")
+        deadline = time.monotonic() + wait_s
+        healthy = await self._probe(url)
+        while not healthy and time.monotonic() < deadline:
+            await asyncio.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+            healthy = await self._probe(url)
+        if not healthy and strict:
+            raise BadRequest(f"worker {url} is not reachable or not healthy")
+        if url in self.workers:
+            raise BadRequest(f"worker {url} is already registered")
+        info = await self._info(url, "/server_info", "/get_server_info") if healthy else {}
+        model = await self._info(url, "/model_info", "/get_model_info") if healthy else {}
+        worker = Worker(url, role, bootstrap_port, healthy=healthy)
+        tokens = info.get("max_total_num_tokens")
+        worker.max_total_tokens = tokens if isinstance(tokens, int) and tokens > 0 else None
+        worker.model = model.get("model_path") if isinstance(model.get("model_path"), str) else None
+        blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
+        self.index.add_instance(url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size))
+        self.workers[url] = worker
+        log.info("worker added url=%s role=%s healthy=%s", url, role, healthy)
+        return worker
+
+    def unregister(self, url: str) -> Worker:
+        worker = self.workers.pop(url)
+        worker.removed = True  # requests in flight finish; nothing new goes there
+        self.index.remove_instance(url)
+        log.info("worker removed url=%s in_flight=%d", url, worker.in_flight)
+        return worker
+
+    async def _health_loop(self) -> None:
+        c = self.config
+        while True:
+            await asyncio.sleep(c.health_check_interval_secs)
+            workers = list(self.workers.values())
+            results = await asyncio.gather(*(self._probe(w.url) for w in workers))
+            for w, ok in zip(workers, results, strict=True):
+                if ok:
+                    w.health_failures, w.health_successes = 0, w.health_successes + 1
+                    if not w.healthy and w.health_successes >= c.health_success_threshold:
+                        w.healthy = True
+                        log.info("worker healthy again url=%s", w.url)
+                else:
+                    w.health_successes, w.health_failures = 0, w.health_failures + 1
+                    if w.healthy and w.health_failures >= c.health_failure_threshold:
+                        w.healthy = False
+                        log.warning("worker unhealthy url=%s", w.url)
+
+    async def _poll_load(self, w: Worker) -> None:
+        timeout = min(self.config.health_check_timeout_secs, 2.0)
+        path = self._load_paths.get(w.url, "/v1/loads")
+        try:
+            status, body = await self._get(w.url, path, timeout)
+            if status == 404 and path == "/v1/loads":
+                self._load_paths[w.url] = path = "/get_load"
+                status, body = await self._get(w.url, path, timeout)
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            return
+        if status != 200:
+            return
+        if path == "/v1/loads" and isinstance(body, dict) and body.get("loads"):
+            loads = body["loads"]
+            w.polled_running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
+            w.polled_waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in loads)
+            w.token_usage = max(float(x.get("token_usage", 0.0)) for x in loads)
+        elif isinstance(body, list) and body:
+            w.polled_running = sum(int(x.get("num_reqs", 0)) for x in body)
+            w.polled_waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in body)
+        w.polled_at = time.monotonic()
+
+    async def _load_loop(self) -> None:
+        while True:
+            await asyncio.gather(
+                *(self._poll_load(w) for w in list(self.workers.values()) if w.healthy)
+            )
+            await asyncio.sleep(self.config.load_poll_interval_secs)
+
+    # ---- the hot path --------------------------------------------------------------------
+
+    def _eligible(self, role: str, exclude: set[str]) -> list[Worker]:
+        now = time.monotonic()
+        cb = self.config.cb_timeout_duration_secs
+        return [
+            w
+            for w in self.workers.values()
+            if w.role == role and w.url not in exclude and w.eligible(now, cb)
+        ]
+
+    def _snapshot(self, view: RequestView, workers: list[Worker]) -> ClusterView:
+        match = self.index.match(view.key.keys, touch=False)
+        hits = dict(zip(self.index.instances(), match.blocks, strict=True))
+        return ClusterView(
+            tuple(w.view(hits.get(w.url, 0)) for w in workers),
+            match.global_blocks,
+            len(view.key.keys),
+            view.key.block_tokens,
+        )
+
+    def _request_id(self, request: web.Request) -> str:
+        for h in self.config.request_id_headers:
+            value = request.headers.get(h)
+            if value:
+                return value
+        return uuid.uuid4().hex
+
+    async def handle_generation(self, request: web.Request) -> web.StreamResponse:
+        api = ROUTES[request.path]
+        rid = self._request_id(request)
+        t0 = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return self._count(api, error_json(400, "request body is not valid JSON"))
+        try:
+            view = view_request(api, body, request.headers)
+        except BadRequest as e:
+            return self._count(api, error_json(400, str(e)))
+        self.prompt_tokens += view.prompt_tokens
+        if self.config.pd_disaggregation:
+            resp = await self._route_pd(request, raw, view, rid, t0)
+        else:
+            resp = await self._route(request, raw, view, rid, t0)
+        return self._count(api, resp)
+
+    def _count(self, api: str, resp: web.StreamResponse) -> web.StreamResponse:
+        self.requests[(api, resp.status)] += 1
+        return resp
+
+    def _decision_headers(self, rid: str, worker: Worker, decision: Decision) -> dict[str, str]:
+        headers = {"X-Request-ID": rid}
+        if self.config.decision_header:
+            headers["X-SMetric-Worker"] = worker.url
+            headers["X-SMetric-Reason"] = decision.reason
+        return headers
+
+    async def _route(
+        self, request: web.Request, raw: bytes, view: RequestView, rid: str, t0: float
+    ) -> web.StreamResponse:
+        tried: set[str] = set()
+        c = self.config
+        backoff = c.retry_initial_backoff_ms / 1000
+        last_error = "no healthy worker available"
+        for attempt in range(c.max_attempts):
+            workers = self._eligible("regular", tried)
+            if not workers:
+                break
+            cluster = self._snapshot(view, workers)
+            decision = self.policy.select(view, cluster)
+            worker = workers[decision.worker]
+            tried.add(worker.url)
+            self.decisions[(self.policy.name, decision.reason)] += 1
+            hit = cluster.local_hit_tokens(decision.worker, view.prompt_tokens)
+            log.debug(
+                "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
+                rid,
+                worker.url,
+                decision.reason,
+                hit,
+                attempt,
+            )
+            try:
+                return await self._forward(request, raw, view, worker, decision, rid, hit, t0)
+            except Retry as e:
+                last_error = str(e)
+                self.retries += 1
+                log.warning("retry rid=%s worker=%s error=%s", rid, worker.url, e)
+                if attempt + 1 < c.max_attempts:
+                    await asyncio.sleep(min(backoff, c.retry_max_backoff_ms / 1000))
+                    backoff *= c.retry_backoff_multiplier
+        return error_json(503, f"no worker could serve the request: {last_error}")
+
+    def _dispatch(self, worker: Worker, view: RequestView, hit: int) -> int:
+        uncached = view.prompt_tokens - hit
+        worker.in_flight += 1
+        worker.requests_total += 1
+        worker.queued_prefill_tokens += uncached
+        self.prefix_hit_tokens += hit
+        # Predict the cache: the worker will hold this prompt once it has served it.
+        with contextlib.suppress(KeyError):
+            self.index.insert(worker.url, view.key.keys)
+        return uncached
+
+    async def _forward(
+        self,
+        request: web.Request,
+        raw: bytes,
+        view: RequestView,
+        worker: Worker,
+        decision: Decision,
+        rid: str,
+        hit: int,
+        t0: float,
+    ) -> web.StreamResponse:
+        assert self.session is not None
+        c = self.config
+        uncached = self._dispatch(worker, view, hit)
+        prefilled = False
+        sent = False
+
+        def first_token() -> None:
+            nonlocal prefilled
+            if not prefilled:
+                prefilled = True
+                worker.queued_prefill_tokens -= uncached
+                worker.running_decode_tokens += view.prompt_tokens
+                self.ttft.observe(time.perf_counter() - t0)
+
+        headers = {
+            "Content-Type": request.headers.get("Content-Type", "application/json"),
+            "X-Request-ID": rid,
+        }
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=c.health_check_timeout_secs, sock_read=c.request_timeout_secs
+        )
+        try:
+            async with self.session.post(
+                worker.url + request.path, data=raw, headers=headers, timeout=timeout
+            ) as up:
+                if up.status >= 500:
+                    worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+                    raise Retry(f"worker answered {up.status}")
+                out_headers = self._decision_headers(rid, worker, decision)
+                ctype = up.headers.get("Content-Type", "application/json")
+                if not view.stream or up.status != 200:
+                    data = await up.read()
+                    first_token()
+                    worker.record_success(c.cb_success_threshold)
+                    return web.Response(
+                        body=data,
+                        status=up.status,
+                        headers=out_headers,
+                        content_type=ctype.split(";")[0],
+                    )
+                resp = web.StreamResponse(status=up.status, headers=out_headers)
+                resp.content_type = ctype.split(";")[0]
+                async for chunk in up.content.iter_any():
+                    if not sent:
+                        await resp.prepare(request)
+                        sent = True
+                    first_token()
+                    await resp.write(chunk)
+                if not sent:
+                    await resp.prepare(request)
+                worker.record_success(c.cb_success_threshold)
+                await resp.write_eof()
+                return resp
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+            if not sent:
+                raise Retry(f"{type(e).__name__}: {e}") from e
+            # Part of the stream reached the client: end it with a clean error event.
+            log.warning("stream broke rid=%s worker=%s error=%r", rid, worker.url, e)
+            with contextlib.suppress(Exception):
+                err = {
+                    "error": {
+                        "message": f"worker stream broke: {type(e).__name__}",
+                        "type": "ServerError",
+                        "code": 502,
+                    }
+                }
+                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+                await resp.write_eof()
+            return resp
+        finally:
+            worker.in_flight -= 1
+            if prefilled:
+                worker.running_decode_tokens -= view.prompt_tokens
+            else:
+                worker.queued_prefill_tokens -= uncached
+            self.e2e.observe(time.perf_counter() - t0)
+
+    # ---- PD ------------------------------------------------------------------------------
+
+    async def _route_pd(
+        self, request: web.Request, raw: bytes, view: RequestView, rid: str, t0: float
+    ) -> web.StreamResponse:
+        prefills, decodes = self._eligible("prefill", set()), self._eligible("decode", set())
+        if not prefills or not decodes:
+            return error_json(503, "PD mode needs a healthy prefill and decode worker")
+        p_cluster = self._snapshot(view, prefills)
+        p_decision = self.policy.select(view, p_cluster)
+        d_decision = self.decode_policy.select(view, self._snapshot(view, decodes))
+        prefill, decode = prefills[p_decision.worker], decodes[d_decision.worker]
+        self.decisions[(self.policy.name, p_decision.reason)] += 1
+        room = self._rng.getrandbits(63)
+        host = urlparse(prefill.url).hostname or "127.0.0.1"
+        inject = json.dumps(
+            {
+                "bootstrap_host": host,
+                "bootstrap_port": prefill.bootstrap_port,
+                "bootstrap_room": room,
+            }
+        )[1:-1].encode()
+        stripped = raw.strip()
+        if not stripped.startswith(b"{"):
+            return error_json(400, "request body must be a JSON object")
+        rest = stripped[1:].lstrip()
+        body = b"{" + inject + (b"," if not rest.startswith(b"}") else b"") + rest
+        hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
+        p_uncached = self._dispatch(prefill, view, hit)
+
+        async def run_prefill() -> None:
+            assert self.session is not None
+            try:
+                async with self.session.post(
+                    prefill.url + request.path,
+                    data=body,
+                    headers={"Content-Type": "application/json", "X-Request-ID": rid},
+                ) as up:
+                    await up.read()
+                    if up.status >= 500:
+                        prefill.record_failure(
+                            self.config.cb_failure_threshold,
+                            not self.config.disable_circuit_breaker,
+                        )
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                prefill.record_failure(
+                    self.config.cb_failure_threshold, not self.config.disable_circuit_breaker
+                )
+            finally:
+                prefill.in_flight -= 1
+                prefill.queued_prefill_tokens -= p_uncached
+
+        task = asyncio.get_running_loop().create_task(run_prefill())
+        try:
+            return await self._forward(request, body, view, decode, d_decision, rid, 0, t0)
+        except Retry as e:
+            return error_json(503, f"decode worker failed: {e}")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    # ---- the router's own endpoints ------------------------------------------------------
+
+    @web.middleware
+    async def _json_errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)  # type: ignore[no-any-return]
+        except web.HTTPNotFound:
+            return error_json(404, f"no route {request.method} {request.path}")
+        except web.HTTPMethodNotAllowed:
+            return error_json(
+                405, f"method {request.method} not allowed on {request.path}", "MethodNotAllowed"
+            )
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        roles = ("prefill", "decode") if self.config.pd_disaggregation else ("regular",)
+        ready = all(self._eligible(role, set()) for role in roles)
+        return web.json_response(
+            {
+                "status": "ready" if ready else "not ready",
+                "healthy_workers": sum(w.healthy for w in self.workers.values()),
+            },
+            status=200 if ready else 503,
+        )
+
+    def _any_worker(self) -> Worker | None:
+        role = "decode" if self.config.pd_disaggregation else "regular"
+        workers = self._eligible(role, set())
+        return workers[0] if workers else None
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        worker = self._any_worker()
+        if worker is None:
+            return error_json(503, "no healthy worker")
+        try:
+            status, _ = await self._get(
+                worker.url, "/health_generate", self.config.health_check_timeout_secs
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return error_json(503, f"worker {worker.url} failed: {type(e).__name__}")
+        return web.Response(status=200 if status == 200 else 503)
+
+    async def proxy_get(self, request: web.Request) -> web.Response:
+        worker = self._any_worker()
+        if worker is None:
+            return error_json(503, "no healthy worker")
+        try:
+            status, body = await self._get(
+                worker.url, request.path, self.config.health_check_timeout_secs
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return error_json(503, f"worker {worker.url} failed: {type(e).__name__}")
+        return web.json_response(body, status=status)
+
+    async def get_loads(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "workers": [
+                    {
+                        "worker": w.url,
+                        "load": w.in_flight,
+                        "queued_prefill_tokens": w.queued_prefill_tokens,
+                        "running_decode_tokens": w.running_decode_tokens,
+                        "polled_running": w.polled_running,
+                        "polled_waiting": w.polled_waiting,
+                        "healthy": w.healthy,
+                    }
+                    for w in self.workers.values()
+                ]
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        fam: dict[str, tuple[str, dict[tuple[tuple[str, str], ...], float]]] = {
+            "requests_total": (
+                "counter",
+                {
+                    (("route", api), ("status", str(status))): n
+                    for (api, status), n in self.requests.items()
+                },
+            ),
+            "routing_decisions_total": (
+                "counter",
+                {(("policy", p), ("reason", r)): n for (p, r), n in self.decisions.items()},
+            ),
+            "retries_total": ("counter", {(): self.retries}),
+            "prompt_tokens_total": ("counter", {(): self.prompt_tokens}),
+            "prefix_hit_tokens_total": ("counter", {(): self.prefix_hit_tokens}),
+            "worker_in_flight": (
+                "gauge",
+                {(("worker", w.url),): w.in_flight for w in self.workers.values()},
+            ),
+            "worker_queued_prefill_tokens": (
+                "gauge",
+                {(("worker", w.url),): w.queued_prefill_tokens for w in self.workers.values()},
+            ),
+            "worker_running_decode_tokens": (
+                "gauge",
+                {(("worker", w.url),): w.running_decode_tokens for w in self.workers.values()},
+            ),
+            "worker_healthy": (
+                "gauge",
+                {(("worker", w.url),): int(w.healthy) for w in self.workers.values()},
+            ),
+            "worker_errors_total": (
+                "counter",
+                {(("worker", w.url),): w.errors_total for w in self.workers.values()},
+            ),
+        }
+        text = render_families(
+            "smetric_",
+            fam,
+            {"time_to_first_token_seconds": self.ttft, "e2e_request_latency_seconds": self.e2e},
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    # ---- admin ---------------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        return key is None or request.headers.get("Authorization") == f"Bearer {key}"
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_json(401, "missing or wrong API key")
+        assert self.session is not None
+        failed = []
+        for w in list(self.workers.values()):
+            try:
+                async with self.session.post(w.url + "/flush_cache") as r:
+                    await r.read()
+                    if r.status != 200:
+                        failed.append(w.url)
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                failed.append(w.url)
+            with contextlib.suppress(KeyError):
+                self.index.clear(w.url)
+        if failed:
+            return web.json_response({"status": "partial", "failed": failed}, status=500)
+        return web.json_response({"status": "ok", "workers": len(self.workers)})
+
+    async def _add(self, url: Any, role: Any = "regular", port: Any = None) -> web.Response:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            return error_json(400, "url must be an http(s) URL")
+        if role not in ("regular", "prefill", "decode"):
+            return error_json(400, "worker_type must be regular, prefill or decode")
+        if port is not None and (type(port) is not int or not 0 < port < 65536):
+            return error_json(400, "bootstrap_port must be a port number")
+        try:
+            worker = await self.register(url, role, port)
+        except BadRequest as e:
+            return error_json(400, str(e))
+        return web.json_response({"status": "ok", **worker.describe()})
+
+    async def post_worker(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_json(401, "missing or wrong API key")
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            return error_json(400, "request body is not valid JSON")
+        if not isinstance(body, dict):
+            return error_json(400, "request body must be a JSON object")
+        return await self._add(
+            body.get("url"), body.get("worker_type", "regular"), body.get("bootstrap_port")
+        )
+
+    async def add_worker_legacy(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_json(401, "missing or wrong API key")
+        return await self._add(request.query.get("url"))
+
+    def _find(self, ident: str) -> Worker | None:
+        ident = unquote(ident).rstrip("/")
+        for w in self.workers.values():
+            if ident in (w.id, w.url):
+                return w
+        return None
+
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_json(401, "missing or wrong API key")
+        worker = self._find(request.match_info["id"])
+        if worker is None:
+            return error_json(404, f"unknown worker {request.match_info['id']}")
+        self.unregister(worker.url)
+        return web.json_response({"status": "ok", "removed": worker.url})
+
+    async def remove_worker_legacy(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_json(401, "missing or wrong API key")
+        worker = self._find(request.query.get("url", ""))
+        if worker is None:
+            return error_json(404, f"unknown worker {request.query.get('url')}")
+        self.unregister(worker.url)
+        return web.json_response({"status": "ok", "removed": worker.url})
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        return web.json_response({"urls": list(self.workers)})
+
+    async def list_workers_v2(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"workers": [w.describe() for w in self.workers.values()], "total": len(self.workers)}
+        )
+
+
+async def serve(config: RouterConfig) -> None:
+    router = Router(config)
+    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port)
+    await site.start()
+    extra = None
+    if config.prometheus_port:
+        metrics_app = web.Application()
+        metrics_app.router.add_get("/metrics", router.metrics)
+        extra = web.AppRunner(metrics_app, access_log=None)
+        await extra.setup()
+        await web.TCPSite(extra, config.prometheus_host, config.prometheus_port).start()
+    log.info(
+        "smetric router listening on http://%s:%d policy=%s workers=%d",
+        config.host,
+        config.port,
+        router.policy.name,
+        len(router.workers),
+    )
+    print(
+        f"smetric router listening on http://{config.host}:{config.port} "
+        f"(policy {router.policy.name}, {len(router.workers)} workers)",
+        flush=True,
+    )
+    try:
+        await asyncio.Event().wait()
+    finally:
+        if extra is not None:
+            await extra.cleanup()
+        await runner.cleanup()

@@ -1,0 +1,102 @@
+"""Workers as the router knows them: health, circuit breaker, and load accounting."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+from smetric.cluster import WorkerView
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str = "regular"
+    """``regular``, ``prefill`` or ``decode``."""
+    bootstrap_port: int | None = None
+    healthy: bool = True
+    model: str | None = None
+    max_total_tokens: int | None = None
+
+    # Health checks: consecutive results.
+    health_failures: int = 0
+    health_successes: int = 0
+    # Circuit breaker: opens after consecutive request failures, half-opens after a timeout.
+    failures: int = 0
+    half_open_successes: int = 0
+    opened_at: float | None = None
+
+    # The router's own accounting, updated at dispatch, first token and finish.
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    running_decode_tokens: int = 0
+    # What the worker last reported (/v1/loads or /get_load).
+    polled_running: int = 0
+    polled_waiting: int = 0
+    token_usage: float = 0.0
+    polled_at: float | None = None
+
+    requests_total: int = 0
+    errors_total: int = 0
+    removed: bool = False
+    id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.id = "w-" + hashlib.sha1(self.url.encode()).hexdigest()[:10]
+
+    # ---- circuit breaker -----------------------------------------------------------------
+
+    def circuit_open(self, now: float, timeout_s: float) -> bool:
+        if self.opened_at is None:
+            return False
+        return now - self.opened_at < timeout_s  # after the timeout: half-open, may be tried
+
+    def eligible(self, now: float, cb_timeout_s: float) -> bool:
+        return self.healthy and not self.removed and not self.circuit_open(now, cb_timeout_s)
+
+    def record_failure(self, threshold: int, enabled: bool) -> None:
+        self.errors_total += 1
+        self.failures += 1
+        self.half_open_successes = 0
+        if enabled and (self.failures >= threshold or self.opened_at is not None):
+            self.opened_at = time.monotonic()
+
+    def record_success(self, success_threshold: int) -> None:
+        self.failures = 0
+        if self.opened_at is not None:
+            self.half_open_successes += 1
+            if self.half_open_successes >= success_threshold:
+                self.opened_at = None
+                self.half_open_successes = 0
+
+    # ---- the view policies get -----------------------------------------------------------
+
+    def view(self, local_hit_blocks: int) -> WorkerView:
+        # Own accounting is instant; what the worker reports also counts traffic that did not
+        # come through this router. The larger of the two is the better guess.
+        polled_total = self.polled_running + self.polled_waiting
+        return WorkerView(
+            self.url,
+            max(self.in_flight, polled_total),
+            self.queued_prefill_tokens,
+            self.running_decode_tokens,
+            self.polled_running,
+            self.polled_waiting,
+            self.token_usage,
+            local_hit_blocks,
+        )
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "id": self.id,
+            "url": self.url,
+            "worker_type": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "is_healthy": self.healthy,
+            "circuit_open": self.opened_at is not None,
+            "model_id": self.model,
+            "load": self.in_flight,
+            "queued_prefill_tokens": self.queued_prefill_tokens,
+            "running_decode_tokens": self.running_decode_tokens,
+        }
