@@ -1,0 +1,543 @@
+"""The router end to end, in front of emulated SGLang workers: every policy and API, forwarding,
+accounting, worker management, faults and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from smetric.emulator import EmulatedCluster
+from smetric.perf import PRESETS
+from smetric.policies import POLICIES
+from smetric.router import Router, RouterConfig, parse_config
+
+PROFILE = PRESETS["qwen2.5-7b-h200"]
+FAST = 20.0  # emulated time runs 20x faster: the tests check behaviour, not timing
+
+
+class Bed:
+    def __init__(
+        self, cluster: EmulatedCluster, router: Router, base: str, session: aiohttp.ClientSession
+    ) -> None:
+        self.cluster, self.router, self.base, self.session = cluster, router, base, session
+
+    async def post(self, path: str, body: Any = None, **kw: Any) -> tuple[int, Any, Any]:
+        async with self.session.post(self.base + path, json=body, **kw) as r:
+            text = await r.text()
+            try:
+                data = json.loads(text)
+            except ValueError:
+                data = text
+            return r.status, data, r.headers
+
+    async def get(self, path: str, **kw: Any) -> tuple[int, Any]:
+        async with self.session.get(self.base + path, **kw) as r:
+            text = await r.text()
+            try:
+                return r.status, json.loads(text)
+            except ValueError:
+                return r.status, text
+
+    async def stream(self, path: str, body: dict, **kw: Any) -> tuple[int, list[bytes], Any]:
+        lines = []
+        async with self.session.post(self.base + path, json={**body, "stream": True}, **kw) as r:
+            async for line in r.content:
+                if line.strip():
+                    lines.append(line.strip())
+            return r.status, lines, r.headers
+
+
+async def start_router(config: RouterConfig) -> tuple[Router, web.AppRunner, str]:
+    router = Router(config)
+    runner = web.AppRunner(router.app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return router, runner, f"http://127.0.0.1:{runner.addresses[-1][1]}"
+
+
+def run(
+    test: Callable[[Bed], Awaitable[Any]],
+    workers: int = 2,
+    pd: tuple[int, int] | None = None,
+    **config: Any,
+) -> Any:
+    async def main() -> Any:
+        cluster = EmulatedCluster(PROFILE, workers=workers, time_scale=FAST, pd=pd)
+        urls = await cluster.start()
+        if pd:
+            config.setdefault("pd_disaggregation", True)
+            config.setdefault("prefill", [(u, 8998) for u in urls[: pd[0]]])
+            config.setdefault("decode", urls[pd[0] :])
+        else:
+            config.setdefault("worker_urls", urls)
+        router, runner, base = await start_router(RouterConfig(**config))
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await test(Bed(cluster, router, base, session))
+        finally:
+            await runner.cleanup()
+            await cluster.stop()
+
+    return asyncio.run(main())
+
+
+CHAT = {
+    "messages": [
+        {"role": "system", "content": "You are an airline agent. " * 60},
+        {"role": "user", "content": "Book me a flight."},
+    ],
+    "max_tokens": 6,
+}
+GEN = {
+    "text": "Summarise this log: " + "line of tool output\n" * 200,
+    "sampling_params": {"max_new_tokens": 6},
+}
+COMP = {"prompt": "def fib(n):" + " pass\n" * 300, "max_tokens": 6}
+
+
+# ---- every policy, every API --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_serves_every_api_streaming_and_not(policy):
+    async def test(bed: Bed):
+        urls = set(bed.cluster.urls)
+        status, body, headers = await bed.post("/generate", GEN)
+        assert status == 200 and body["meta_info"]["completion_tokens"] == 6
+        assert headers["X-SMetric-Worker"] in urls and headers["X-SMetric-Reason"]
+        status, body, _ = await bed.post("/v1/chat/completions", CHAT)
+        assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+        assert body["usage"]["completion_tokens"] == 6
+        status, body, _ = await bed.post("/v1/completions", COMP)
+        assert status == 200 and body["object"] == "text_completion"
+        for path, payload in (
+            ("/generate", GEN),
+            ("/v1/chat/completions", CHAT),
+            ("/v1/completions", COMP),
+        ):
+            status, lines, _ = await bed.stream(path, payload)
+            assert status == 200 and lines[-1] == b"data: [DONE]"
+            assert all(line.startswith(b"data: ") for line in lines)
+        assert all(
+            w.in_flight == 0 and w.queued_prefill_tokens == 0 and w.running_decode_tokens == 0
+            for w in bed.router.workers.values()
+        )
+        return bed.router.decisions
+
+    decisions = run(test, policy=policy)
+    assert sum(n for (name, _), n in decisions.items() if name == policy) == 6
+
+
+def test_cache_aware_sends_a_follow_up_turn_where_its_prefix_is():
+    async def test(bed: Bed):
+        turn1 = dict(CHAT)
+        _, _, h1 = await bed.post("/v1/chat/completions", turn1)
+        turn2 = {
+            **CHAT,
+            "messages": [
+                *CHAT["messages"],
+                {"role": "assistant", "content": "Where to?"},
+                {"role": "user", "content": "Paris, Friday."},
+            ],
+        }
+        _status, body, h2 = await bed.post("/v1/chat/completions", turn2)
+        return h1["X-SMetric-Worker"], h2["X-SMetric-Worker"], h2["X-SMetric-Reason"], body
+
+    w1, w2, reason, body = run(test, policy="cache_aware")
+    assert (w1, reason) == (w2, "cache_hit")
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_load_is_accounted_while_a_request_streams():
+    async def test(bed: Bed):
+        body = {**GEN, "stream": True, "sampling_params": {"max_new_tokens": 400}}
+        async with bed.session.post(bed.base + "/generate", json=body) as r:
+            await r.content.readline()
+            during = {
+                u: (w.in_flight, w.running_decode_tokens) for u, w in bed.router.workers.items()
+            }
+            async for _ in r.content:
+                pass
+        after = {u: w.in_flight for u, w in bed.router.workers.items()}
+        return during, after
+
+    during, after = run(test)
+    busy = [v for v in during.values() if v[0]]
+    assert len(busy) == 1 and busy[0][1] > 0  # past its first token: counted as decoding
+    assert set(after.values()) == {0}
+
+
+# ---- forwarding ---------------------------------------------------------------------------
+
+
+class CaptureWorker:
+    """A fake SGLang worker that records what it receives."""
+
+    def __init__(self) -> None:
+        self.bodies: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.Response:
+            self.bodies.append(await request.read())
+            self.headers.append(dict(request.headers))
+            return web.json_response({"text": "ok", "meta_info": {"id": "x"}})
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
+
+        for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+            app.router.add_post(path, generate)
+        for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
+            app.router.add_get(path, ok)
+        return app
+
+
+def with_capture(test: Callable[[Bed, CaptureWorker], Awaitable[Any]], **config: Any) -> Any:
+    async def main() -> Any:
+        capture = CaptureWorker()
+        runner = web.AppRunner(capture.app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[-1][1]}"
+        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url], **config))
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await test(Bed(None, router, base, session), capture)  # type: ignore[arg-type]
+        finally:
+            await rrunner.cleanup()
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_bodies_are_forwarded_byte_for_byte_and_request_ids_echoed():
+    # Odd spacing, an escape, an unknown field and max_tokens: all must reach the worker as sent.
+    raw = (
+        b'{"model":"m",  "messages":[{"role":"user","content":"hi \\u00e9"}],'
+        b'"max_tokens":7,"my_field":{"kept":[1,2]},"stream":false}'
+    )
+
+    async def test(bed: Bed, capture: CaptureWorker):
+        async with bed.session.post(
+            bed.base + "/v1/chat/completions",
+            data=raw,
+            headers={"X-Request-ID": "req-42", "Content-Type": "application/json"},
+        ) as r:
+            echoed = r.headers.get("X-Request-ID")
+        async with bed.session.post(bed.base + "/generate", json={"text": "a"}) as r:
+            generated = r.headers.get("X-Request-ID")
+        return echoed, generated, capture.bodies, capture.headers
+
+    echoed, generated, bodies, headers = with_capture(test)
+    assert bodies[0] == raw
+    assert headers[0]["X-Request-ID"] == "req-42" and echoed == "req-42"
+    assert generated and headers[1]["X-Request-ID"] == generated
+
+
+def test_decision_headers_can_be_turned_off():
+    async def test(bed: Bed, capture: CaptureWorker):
+        async with bed.session.post(bed.base + "/generate", json={"text": "a"}) as r:
+            return "X-SMetric-Worker" in r.headers
+
+    assert with_capture(test, decision_header=False) is False
+
+
+# ---- worker management --------------------------------------------------------------------
+
+
+def test_workers_can_be_removed_and_added_at_run_time_without_losing_requests():
+    async def test(bed: Bed):
+        url = bed.cluster.urls[1]
+        long = {**GEN, "sampling_params": {"max_new_tokens": 300}}
+        # Send to the second worker (round robin: first goes to w0), remove it mid-stream.
+        await bed.post("/generate", GEN)
+        task = asyncio.create_task(bed.stream("/generate", long))
+        await asyncio.sleep(0.05)
+        _status, body = await bed.get("/list_workers")
+        assert url in body["urls"]
+        async with bed.session.post(bed.base + f"/remove_worker?url={url}") as r:
+            assert r.status == 200
+        s, lines, headers = await task
+        statuses = [(await bed.post("/generate", GEN))[2]["X-SMetric-Worker"] for _ in range(3)]
+        async with bed.session.post(bed.base + "/workers", json={"url": url}) as r:
+            added = (r.status, await r.json())
+        _, listed = await bed.get("/workers")
+        async with bed.session.delete(bed.base + f"/workers/{added[1]['id']}") as r:
+            deleted = r.status
+        return url, s, lines, headers["X-SMetric-Worker"], statuses, added, listed, deleted
+
+    removed, s, lines, streamed_on, after, added, listed, deleted = run(test, policy="round_robin")
+    # The stream on the removed worker finished whole; new requests went to the other worker.
+    assert streamed_on == removed
+    assert s == 200 and lines[-1] == b"data: [DONE]" and len(lines) == 301
+    assert removed not in after and len(set(after)) == 1
+    assert added[0] == 200 and added[1]["is_healthy"] is True
+    assert listed["total"] == 2 and deleted == 200
+
+
+def test_admin_calls_need_the_api_key_when_one_is_set():
+    async def test(bed: Bed):
+        url = bed.cluster.urls[0]
+        out = []
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            async with bed.session.post(
+                bed.base + f"/remove_worker?url={url}", headers=headers
+            ) as r:
+                out.append((r.status, (await r.json())["error"]["type"]))
+        async with bed.session.post(bed.base + "/flush_cache") as r:
+            out.append((r.status, None))
+        _, workers = await bed.get("/list_workers")
+        async with bed.session.post(
+            bed.base + f"/remove_worker?url={url}", headers={"Authorization": "Bearer s3cret"}
+        ) as r:
+            out.append((r.status, None))
+        return out, workers
+
+    out, workers = run(test, api_key="s3cret")
+    assert out[:3] == [(401, "AuthenticationError"), (401, "AuthenticationError"), (401, None)]
+    assert len(workers["urls"]) == 2 and out[3][0] == 200
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+
+def test_bad_input_gets_clear_4xx_json_and_changes_nothing():
+    async def test(bed: Bed):
+        before = (len(bed.router.workers), bed.router.index.stats()["unique_blocks"])
+        out = []
+        for path, data in (
+            ("/generate", b"not json"),
+            ("/generate", b"[1,2]"),
+            ("/generate", json.dumps({"text": 5}).encode()),
+            ("/generate", json.dumps({}).encode()),
+            ("/v1/chat/completions", json.dumps({"messages": "hi"}).encode()),
+            (
+                "/v1/chat/completions",
+                json.dumps({"messages": [{"role": "user"}], "max_tokens": "9"}).encode(),
+            ),
+            ("/v1/completions", json.dumps({"prompt": {"a": 1}}).encode()),
+            ("/generate", b'{"text": "' + b"a" * 5000 + b'"}'),
+        ):
+            async with bed.session.post(bed.base + path, data=data) as r:
+                out.append((r.status, await r.json()))
+        async with bed.session.get(bed.base + "/nope") as r:
+            out.append((r.status, await r.json()))
+        async with bed.session.get(bed.base + "/generate") as r:
+            out.append((r.status, await r.json()))
+        for path, payload in (
+            ("/workers", {"url": "ftp://x"}),
+            ("/workers", {"url": "http://127.0.0.1:1"}),
+            ("/workers", [1]),
+        ):
+            async with bed.session.post(bed.base + path, json=payload) as r:
+                out.append((r.status, await r.json()))
+        async with bed.session.delete(bed.base + "/workers/w-unknown") as r:
+            out.append((r.status, await r.json()))
+        async with bed.session.post(bed.base + "/remove_worker?url=http://nowhere:1") as r:
+            out.append((r.status, await r.json()))
+        after = (len(bed.router.workers), bed.router.index.stats()["unique_blocks"])
+        return out, before, after
+
+    out, before, after = run(test, max_payload_size=4096)
+    statuses = [s for s, _ in out]
+    assert statuses == [400] * 7 + [413, 404, 405, 400, 400, 400, 404, 404]
+    for _, body in out:
+        assert isinstance(body["error"]["message"], str) and body["error"]["code"] >= 400
+    assert before == after
+
+
+def test_cli_accepts_sglang_router_command_lines_and_rejects_bad_flags(capsys):
+    c = parse_config(
+        [
+            "--worker-urls",
+            "http://a:1",
+            "http://b:2",
+            "--policy",
+            "cache_aware",
+            "--cache-threshold",
+            "0.5",
+            "--balance-abs-threshold",
+            "32",
+            "--port",
+            "31000",
+            "--request-timeout-secs",
+            "60",
+            "--disable-retries",
+            "--log-level",
+            "warn",
+            "--max-tree-size",
+            "1000",
+            "--service-discovery",
+            "--dp-aware",
+        ]
+    )
+    assert c.worker_urls == ["http://a:1", "http://b:2"] and c.cache_threshold == 0.5
+    assert c.max_attempts == 1 and c.host == "127.0.0.1"
+    pd = parse_config(
+        [
+            "--pd-disaggregation",
+            "--prefill",
+            "http://p:1",
+            "9000",
+            "--prefill",
+            "http://p:2",
+            "none",
+            "--decode",
+            "http://d:1",
+            "--policy",
+            "manual",
+        ]
+    )
+    assert pd.prefill == [("http://p:1", 9000), ("http://p:2", None)] and pd.policy == "sticky"
+    for bad in (
+        ["--bogus"],
+        ["--port", "x"],
+        ["--port", "70000"],
+        ["--policy", "fastest"],
+        ["--worker-urls", "a:1"],
+        ["--cache-threshold", "-1"],
+        ["--pd-disaggregation"],
+        ["--prefill", "http://p:1", "x"],
+        ["--decode", "http://d:1"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_config(bad)
+        assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+# ---- faults -------------------------------------------------------------------------------
+
+
+async def fault(bed: Bed, i: int, **f: Any) -> None:
+    async with bed.session.post(bed.cluster.urls[i] + "/_emulator/fault", json=f) as r:
+        assert r.status == 200
+
+
+def test_a_worker_that_returns_5xx_is_retried_elsewhere():
+    async def test(bed: Bed):
+        await fault(bed, 0, mode="fail")
+        results = [await bed.post("/generate", GEN) for _ in range(4)]
+        return [(s, h["X-SMetric-Worker"]) for s, _, h in results], bed.router.retries
+
+    results, retries = run(test, policy="round_robin", retry_initial_backoff_ms=1)
+    assert all(s == 200 for s, _ in results)
+    assert retries >= 1
+
+
+def test_a_worker_that_refuses_connections_is_retried_elsewhere_and_circuit_opens():
+    async def test(bed: Bed):
+        dead = "http://127.0.0.1:9"  # discard port: nothing listens
+        await bed.router.register(dead, strict=False)
+        bed.router.workers[dead].healthy = True  # as if it just died
+        results = [await bed.post("/generate", GEN) for _ in range(6)]
+        return [s for s, _, _ in results], bed.router.workers[dead]
+
+    statuses, dead = run(
+        test, policy="round_robin", retry_initial_backoff_ms=1, cb_failure_threshold=2
+    )
+    assert statuses == [200] * 6
+    assert dead.errors_total == 2 and dead.opened_at is not None  # then left alone
+
+
+def test_a_hanging_worker_times_out_and_the_request_goes_elsewhere():
+    async def test(bed: Bed):
+        await fault(bed, 0, mode="hang")
+        results = [await bed.post("/generate", GEN) for _ in range(2)]
+        return [(s, h.get("X-SMetric-Worker")) for s, _, h in results]
+
+    results = run(test, policy="round_robin", request_timeout_secs=0.3, retry_initial_backoff_ms=1)
+    assert [s for s, _ in results] == [200, 200]
+
+
+def test_a_stream_dropped_mid_way_ends_with_a_clean_error_event():
+    async def test(bed: Bed):
+        await fault(bed, 0, mode="drop", after_tokens=3)
+        await fault(bed, 1, mode="drop", after_tokens=3)
+        return await bed.stream("/generate", {**GEN, "sampling_params": {"max_new_tokens": 20}})
+
+    status, lines, _ = run(test)
+    assert status == 200
+    assert len(lines) == 5  # 3 tokens, the error, [DONE]
+    assert json.loads(lines[3][6:])["error"]["code"] == 502
+    assert lines[-1] == b"data: [DONE]"
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request():
+    async def test(bed: Bed):
+        body = {**GEN, "stream": True, "sampling_params": {"max_new_tokens": 5000}}
+        async with bed.session.post(bed.base + "/generate", json=body) as r:
+            await r.content.readline()
+            r.close()
+        await asyncio.sleep(0.2)
+        return (
+            [w.engine.has_work() for w in bed.cluster.workers],
+            [w.in_flight for w in bed.router.workers.values()],
+        )
+
+    busy, in_flight = run(test)
+    assert busy == [False, False] and in_flight == [0, 0]
+
+
+def test_health_checks_take_a_failing_worker_out_and_bring_it_back():
+    async def test(bed: Bed):
+        await fault(bed, 0, mode="fail")
+        await asyncio.sleep(0.5)
+        out = [bed.router.workers[bed.cluster.urls[0]].healthy]
+        status, _body = await bed.get("/readiness")
+        out.append(status)
+        routed = {(await bed.post("/generate", GEN))[2]["X-SMetric-Worker"] for _ in range(4)}
+        await fault(bed, 0, mode="none")
+        await asyncio.sleep(0.5)
+        out.append(bed.router.workers[bed.cluster.urls[0]].healthy)
+        return out, routed
+
+    (down, ready, back), routed = run(
+        test,
+        policy="round_robin",
+        health_check_interval_secs=0.05,
+        health_failure_threshold=2,
+        health_success_threshold=2,
+    )
+    assert (down, ready, back) == (False, 200, True)
+    assert len(routed) == 1
+
+
+def test_no_healthy_worker_gives_503_json():
+    async def test(bed: Bed):
+        for w in bed.router.workers.values():
+            w.healthy = False
+        status, body, _ = await bed.post("/generate", GEN)
+        ready, _ = await bed.get("/readiness")
+        return status, body, ready
+
+    status, body, ready = run(test)
+    assert status == 503 and "no worker" in body["error"]["message"] and ready == 503
+
+
+# ---- PD -----------------------------------------------------------------------------------
+
+
+def test_pd_mode_sends_to_a_prefill_and_a_decode_worker_with_bootstrap_fields():
+    async def test(bed: Bed):
+        status, body, headers = await bed.post("/generate", GEN)
+        s2, lines, _ = await bed.stream("/v1/chat/completions", CHAT)
+        loads = [
+            (w.role, w.in_flight, w.queued_prefill_tokens) for w in bed.router.workers.values()
+        ]
+        return status, body, headers, s2, lines, loads
+
+    status, body, headers, s2, lines, loads = run(test, workers=0, pd=(1, 1))
+    assert status == 200 and body["meta_info"]["completion_tokens"] == 6
+    assert headers["X-SMetric-Worker"].endswith(headers["X-SMetric-Worker"].split(":")[-1])
+    assert s2 == 200 and lines[-1] == b"data: [DONE]"
+    assert all(n == 0 and q == 0 for _, n, q in loads)
