@@ -459,7 +459,47 @@ def test_pd_decode_worker_streams_after_the_prefill_hands_over_the_kv():
     status, ttft, chunks, no_room = run(test, workers=0, pd=(1, 1), config=cfg)
     tokens = key_text(text(6000)).prompt_tokens
     transfer = tokens * PROFILE.kv_bytes_per_token / 10e9 + 0.002
+    first_step = PROFILE.decode_step_s(1, tokens)
     assert status == 200
-    assert ttft == pytest.approx(PROFILE.prefill_time_s(tokens) + transfer, rel=0.05)
+    assert ttft == pytest.approx(PROFILE.prefill_time_s(tokens) + transfer + first_step, rel=0.05)
     assert len(chunks) == 10 and chunks[-1]["meta_info"]["prompt_tokens"] == tokens
     assert no_room == 400
+
+
+def test_pd_decode_fails_cleanly_when_no_kv_arrives_and_rooms_are_single_use():
+    async def test(cluster, session):
+        prefill, decode = cluster.urls
+        await set_fault(session, prefill, mode="fail")
+        body = {"text": "a" * 300, "bootstrap_room": 7, "sampling_params": {"max_new_tokens": 2}}
+        started = time.perf_counter()
+        async with session.post(prefill + "/generate", json=body) as r:
+            p_status = r.status
+        async with session.post(decode + "/generate", json=body) as r:
+            d_status, d_body = r.status, await r.json()
+        waited = time.perf_counter() - started
+        await set_fault(session, prefill, mode="none")
+        body = {**body, "bootstrap_room": 8}
+
+        async def decode_call():
+            async with session.post(decode + "/generate", json=body) as r:
+                return r.status
+
+        first = asyncio.ensure_future(decode_call())
+        await asyncio.sleep(0.05)
+        second = await decode_call()  # same room while the first still waits
+        async with session.post(prefill + "/generate", json=body) as r:
+            await r.read()
+        first_status = await first
+        async with session.get(decode + "/metrics") as r:
+            metrics = await r.text()
+        return p_status, d_status, d_body, waited, first_status, second, metrics
+
+    p, d, body, waited, first, second, metrics = run(test, workers=0, pd=(1, 1), pd_timeout_s=0.5)
+    assert (p, d) == (500, 500) and "no KV arrived" in body["error"]["message"]
+    assert waited < 2.0
+    assert (first, second) == (200, 400)
+    assert "sglang:time_to_first_token_seconds_count" in metrics
+    assert (
+        'sglang:time_to_first_token_seconds_count{model_name="default",engine_type="decode"} 1'
+        in metrics
+    )

@@ -130,7 +130,9 @@ def test_pd_prefill_hands_off_to_a_decode_worker_after_the_kv_transfer():
     cfg = EngineConfig(pd_transfer_bytes_per_s=10e9, pd_transfer_latency_s=0.002)
     r = simulate([req("a", 4096, 20)], round_robin(), PROFILE, config=cfg, pd=(1, 1)).requests[0]
     transfer = 4096 * PROFILE.kv_bytes_per_token / 10e9 + 0.002
-    assert r.ttft_s == pytest.approx(PROFILE.prefill_time_s(4096) + transfer, rel=1e-6)
+    # The first token comes out with the decode worker's first step.
+    first_step = PROFILE.decode_step_s(1, 4096)
+    assert r.ttft_s == pytest.approx(PROFILE.prefill_time_s(4096) + transfer + first_step, rel=1e-6)
     assert r.tpot_s == pytest.approx(expected_tpot(PROFILE, 4096, 20), rel=0.02)
     assert r.output_tokens == 20
 
@@ -159,3 +161,79 @@ def test_mooncake_trace_slice_replays_with_its_counts_and_cache_reuse():
     assert sum(r.prompt_tokens for r in res.requests) == sum(r.prompt_tokens for r in reqs)
     assert sum(r.output_tokens for r in res.requests) == sum(max(r.output_tokens, 1) for r in reqs)
     assert sum(r.local_cached_tokens + r.global_cached_tokens for r in res.requests) > 0
+
+
+# ---- regressions ------------------------------------------------------------------------------
+
+
+def engine(pool: int = 100_000, role: str = "mixed", **cfg):
+    from smetric.engine import Cluster, Engine
+
+    return Engine("w0", PROFILE, Cluster(None), EngineConfig(kv_pool_tokens=pool, **cfg), role)
+
+
+def ereq(rid: str, prompt: int, out: int, first_id: int = 0, at: float = 0.0):
+    from smetric.engine import EngineRequest
+
+    keys = BlockKeys.from_ids(range(first_id, first_id + prompt // BT))
+    return EngineRequest(rid, prompt, out, keys, BT, arrival_s=at)
+
+
+def drain(e, t: float = 0.0) -> float:
+    while e.has_work():
+        b = e.next_batch(t)
+        assert b is not None
+        t += b.duration_s
+        e.finish_batch(b, t)
+    return t
+
+
+def test_a_request_is_not_admitted_before_it_arrives():
+    e = engine()
+    e.add_request(ereq("late", 100, 2, at=5.0))
+    assert e.next_batch(1.0) is None
+    assert e.next_batch(5.0) is not None
+
+
+def test_a_cached_prefix_in_use_is_locked_so_other_requests_wait():
+    e = engine(pool=10_000)
+    e.add_request(ereq("warm", 8000, 1))
+    drain(e)
+    e.add_request(ereq("b1", 8016, 50))  # same first 8,000 tokens
+    e.add_request(ereq("x", 8000, 50, first_id=10_000))
+    b = e.next_batch(10.0)
+    assert [r.rid for r, _ in b.prefill] == ["b1"]  # x waits: b1 locks the 8,000 cached tokens
+    assert b.prefill[0][0].local_cached_tokens == 8000
+    assert e.load().used_tokens == 8000 + 16 + 50
+    assert e.cluster.index.match_instance("w0", ereq("b", 8016, 1).keys) == 500
+
+
+def test_the_cache_capacity_does_not_change_with_each_requests_block_size():
+    e = engine(pool=20_000)
+    e.add_request(ereq("tok", 15_008, 1))
+    drain(e)
+    held = e.cluster.index.stats()["instances"]["w0"]["blocks"]
+    from smetric.engine import EngineRequest
+
+    text = EngineRequest("txt", 10, 1, BlockKeys.from_ids([99]), 18.8, arrival_s=0.0)
+    e.add_request(text)
+    drain(e, 1.0)
+    assert e.cluster.index.match_instance("w0", ereq("tok", 15_008, 1).keys) == held
+
+
+def test_a_decode_worker_admits_handoffs_only_as_its_pool_and_cap_allow():
+    e = engine(pool=3000, role="decode", max_running_requests=1)
+    for i in range(3):
+        r = ereq(f"d{i}", 1000, 5, first_id=i * 1000)
+        r.prefilled_tokens = 1000
+        e.add_decode(r)
+    b = e.next_batch(0.0)
+    assert len(b.decode) == 1 and e.load().waiting == 2
+    assert e.load().used_tokens == 1005
+
+
+def test_simulator_rejects_duplicate_ids_and_unknown_predecessors():
+    with pytest.raises(ValueError, match="unique"):
+        simulate([req("a", 100, 1), req("a", 100, 1)], round_robin(), PROFILE, 1)
+    with pytest.raises(ValueError, match="unknown request"):
+        simulate([req("a", 100, 1), req("b", 100, 1, after="typo")], round_robin(), PROFILE, 1)

@@ -27,12 +27,13 @@ class EmulatedCluster:
         global_tier: GlobalTierConfig | None = GlobalTierConfig(),
         pd: tuple[int, int] | None = None,
         model_name: str = "default",
+        pd_timeout_s: float = 30.0,
     ) -> None:
         self.host = host
         self.base_port = base_port
         self.clock = ScaledClock(time_scale)
         self.cluster = Cluster(global_tier)
-        rendezvous = PDRendezvous()
+        rendezvous = PDRendezvous(pd_timeout_s)
         roles = ["mixed"] * workers if pd is None else ["prefill"] * pd[0] + ["decode"] * pd[1]
         self.workers = [
             EmulatedWorker(

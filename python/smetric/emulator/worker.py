@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections import deque
@@ -25,12 +26,14 @@ from smetric.engine import (
     EngineConfig,
     EngineRequest,
     IterationEvents,
+    Phase,
     RequestTooLarge,
 )
 from smetric.perf import Profile
 from smetric.prom import Histogram, render_metrics
 from smetric.request import TOKEN_BLOCK_TOKENS, BadRequest, RequestView, view_request
 
+log = logging.getLogger("smetric.emulator")
 FILLER = ("the", " agent", " calls", " a", " tool", " and", " reads", " its", " output", ".")
 
 
@@ -73,11 +76,6 @@ class Stream:
     events: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
 
 
-def _resolve(fut: asyncio.Future[EngineRequest], req: EngineRequest) -> None:
-    if not fut.done():
-        fut.set_result(req)
-
-
 _FILLER_PREFIXES = [""]
 _OUTPUT_IDS = list(range(1000)) * 8
 
@@ -94,20 +92,56 @@ def _output_ids(n: int) -> list[int]:
     return _OUTPUT_IDS[:n] if n <= len(_OUTPUT_IDS) else [i % 1000 for i in range(n)]
 
 
+class TransferFailed(Exception):
+    """PD: the KV for a bootstrap room never came (prefill failed, aborted or timed out)."""
+
+
 class PDRendezvous:
     """PD in one process: a prefill worker hands a finished prefill to the decode worker that
-    received the same ``bootstrap_room``."""
+    received the same ``bootstrap_room``. One decode request per room; a room that nobody takes
+    is forgotten after twice the timeout."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
         self._rooms: dict[int, asyncio.Future[EngineRequest]] = {}
+        self._taken: set[int] = set()
 
-    def room(self, room: int) -> asyncio.Future[EngineRequest]:
-        if room not in self._rooms:
-            self._rooms[room] = asyncio.get_running_loop().create_future()
-        return self._rooms[room]
+    def _future(self, room: int) -> asyncio.Future[EngineRequest]:
+        fut = self._rooms.get(room)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = self._rooms[room] = loop.create_future()
+            loop.call_later(2 * self.timeout_s, self._expire, room, fut)
+        return fut
 
-    def forget(self, room: int) -> None:
-        self._rooms.pop(room, None)
+    def _expire(self, room: int, fut: asyncio.Future[EngineRequest]) -> None:
+        if self._rooms.get(room) is fut and room not in self._taken:
+            del self._rooms[room]
+        if fut.done() and not fut.cancelled():
+            fut.exception()  # retrieved: no "never retrieved" warning
+        fut.cancel()
+
+    def deliver(self, room: int, req: EngineRequest) -> None:
+        fut = self._future(room)
+        if not fut.done():
+            fut.set_result(req)
+
+    def fail(self, room: int, message: str) -> None:
+        fut = self._future(room)
+        if not fut.done():
+            fut.set_exception(TransferFailed(message))
+
+    async def take(self, room: int) -> EngineRequest:
+        if room in self._taken:
+            raise BadRequest(f"bootstrap_room {room} already has a decode request")
+        self._taken.add(room)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._future(room)), self.timeout_s)
+        except TimeoutError:
+            raise TransferFailed(f"no KV arrived for bootstrap_room {room}") from None
+        finally:
+            self._taken.discard(room)
+            self._rooms.pop(room, None)
 
 
 class EmulatedWorker:
@@ -166,20 +200,33 @@ class EmulatedWorker:
                 await self._wake.wait()
                 continue
             # Back to back, an iteration starts when the last one ended on the virtual clock, so
-            # timer overshoot does not add up; after idling it starts now.
+            # timer overshoot does not add up; after idling it starts now. The engine leaves
+            # requests that arrived after the start for a later iteration.
             start = self._last_end if self._back_to_back else self.clock.now()
             engine.slowdown = self.fault.factor if self.fault.mode == "slow" else 1.0
-            batch = engine.next_batch(start)
-            if batch is None:
+            try:
+                batch = engine.next_batch(start)
+                if batch is None:
+                    if self._back_to_back:
+                        self._back_to_back = False  # work arrived after the last iteration
+                        continue
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                end = start + batch.duration_s
+                await self.clock.sleep_until(end)
+                self._last_end = end
+                self._back_to_back = True
+                self._deliver(engine.finish_batch(batch, end), end)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A bug must not silently stop the worker: log it, fail what is in flight.
+                log.exception("emulated worker %s: engine iteration failed", self.name)
+                for stream in list(self._streams.values()):
+                    engine.abort(stream.req)
+                    stream.events.put_nowait("error")
                 self._back_to_back = False
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            end = start + batch.duration_s
-            await self.clock.sleep_until(end)
-            self._last_end = end
-            self._back_to_back = True
-            self._deliver(engine.finish_batch(batch, end), end)
 
     def _deliver(self, events: IterationEvents, now: float) -> None:
         # Latencies go to the metrics in wall-clock seconds, as clients observe them.
@@ -209,9 +256,8 @@ class EmulatedWorker:
             self._push(req, "handoff")
             room = req.extra.get("bootstrap_room")
             if isinstance(room, int):
-                fut = self.rendezvous.room(room)
                 delay = self.engine.transfer_time_s(req) / scale
-                asyncio.get_running_loop().call_later(delay, _resolve, fut, req)
+                asyncio.get_running_loop().call_later(delay, self.rendezvous.deliver, room, req)
 
     def _push(self, req: EngineRequest, event: str) -> None:
         stream = self._streams.get(req)
@@ -226,18 +272,25 @@ class EmulatedWorker:
         return stream
 
     def submit_decode(self, req: EngineRequest) -> Stream:
+        try:
+            self.engine.add_decode(req)
+        except RequestTooLarge as e:
+            raise BadRequest(str(e)) from None
         stream = Stream(req)
         self._streams[req] = stream
-        self.engine.add_decode(req, self.clock.now())
-        stream.events.put_nowait("token")
-        if req.finish_s is not None:
-            stream.events.put_nowait("finish")
         self._wake.set()
         return stream
 
     def release(self, stream: Stream) -> None:
         self._streams.pop(stream.req, None)
         self._last_token_s.pop(stream.req, None)
+        room = stream.req.extra.get("bootstrap_room")
+        if (
+            self.role == "prefill"
+            and isinstance(room, int)
+            and stream.req.phase is not Phase.TRANSFER
+        ):
+            self.rendezvous.fail(room, "the prefill request ended before its KV was handed over")
         if stream.req.finish_s is None:
             self.engine.abort(stream.req)
 
@@ -266,6 +319,8 @@ class EmulatedWorker:
     async def _events(self, stream: Stream) -> AsyncIterator[str]:
         while True:
             event = await stream.events.get()
+            if event == "error":
+                raise TransferFailed("the engine failed")
             yield event
             if event in ("finish", "handoff"):
                 return
@@ -283,11 +338,7 @@ class EmulatedWorker:
         if self.role == "decode":
             if not isinstance(room, int):
                 raise BadRequest("a decode worker needs bootstrap_room (int) in the request")
-            fut = self.rendezvous.room(room)
-            try:
-                prefilled = await fut
-            finally:
-                self.rendezvous.forget(room)
+            prefilled = await self.rendezvous.take(room)
             prefilled.arrival_s = req.arrival_s
             return self.submit_decode(prefilled)
         return self.submit(req)
@@ -358,12 +409,16 @@ class EmulatedWorker:
             stream = await self._run_request(request, body, req)
         except BadRequest as e:
             return web.json_response({"error": {"message": str(e)}}, status=400)
+        except TransferFailed as e:
+            return web.json_response({"error": {"message": str(e)}}, status=500)
         try:
             if body.get("stream"):
                 return await self._stream_generate(request, stream)
             async for _ in self._events(stream):
                 pass
             return web.json_response(self._generate_body(stream.req, final=True))
+        except TransferFailed as e:
+            return web.json_response({"error": {"message": str(e)}}, status=500)
         finally:
             self.release(stream)
 
@@ -444,6 +499,8 @@ class EmulatedWorker:
             stream = await self._run_request(request, body, req)
         except BadRequest as e:
             return self._openai_error(str(e))
+        except TransferFailed as e:
+            return self._openai_error(str(e), 500)
         try:
             if body.get("stream"):
                 options = body.get("stream_options") or {}

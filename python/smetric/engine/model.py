@@ -12,16 +12,20 @@ Scheduling, as SGLang does it in outline:
 * a request's first token comes at the end of the iteration that finishes its prefill.
 
 KV: the pool holds ``Profile.kv_pool_tokens`` tokens. Each admitted request reserves the part of
-its prompt it does not find in the local cache plus its maximum output; the local prefix cache (an
-instance of the cluster's ``PrefixIndex``, which keeps the prefixes running requests share) may
-use what is not reserved, and is evicted (LRU) as requests need room. A request's prompt enters
-the cache when the request ends (its KV is locked while it runs, as in SGLang's radix cache); the
-cached prefix a request starts from is touched, so it is the last thing evicted, though the model
-does not lock it. A prompt's
-blocks are found locally, else loaded from the global tier (paying the load time), else computed.
-When the request ends, the prompt's blocks enter the local cache and are written through to the
-global tier. Generated tokens are not added to the cache: a replayed next turn carries the recorded
-answer, not the emulator's filler text, so they could never match.
+its prompt it does not find in the local cache plus its maximum output, and locks the cached
+prefix it uses; a request is admitted only when its reservation and lock fit beside everyone
+else's. The local prefix cache (an instance of the cluster's ``PrefixIndex``, holding the locked
+prefixes too) may use what is not reserved, and is evicted (LRU) as requests need room.
+
+A prompt's blocks are found locally, else loaded from the global tier (paying the load time),
+else computed. When the request ends (its KV is locked while it runs, as in SGLang's radix
+cache), the prompt's blocks enter the local cache and are written through to the global tier.
+Generated tokens are not added to the cache: a replayed next turn carries the recorded answer,
+not the emulator's filler text, so they could never match.
+
+PD: a prefill worker hands a finished prefill to a decode worker after a KV transfer time; the
+decode worker admits it when its pool and running cap allow, and its first token comes out with
+its first decode step.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ class EngineRequest:
     worker: str = ""
     decode_worker: str = ""
     reserved_tokens: int = 0
+    locked_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -194,6 +199,9 @@ class Engine:
         self.prefilling: list[EngineRequest] = []
         self.running: list[EngineRequest] = []
         self.reserved_tokens = 0
+        """Pool tokens admitted requests take beyond their cached prefix (new prompt, output)."""
+        self.locked_tokens = 0
+        """Cached prefix tokens admitted requests use: the cache must keep them."""
         self._block_tokens: float | None = None
         self.busy_until_s: float | None = None
         # Counters for /metrics and /v1/loads.
@@ -221,20 +229,14 @@ class Engine:
         self.waiting.append(req)
         self.requests_total += 1
 
-    def add_decode(self, req: EngineRequest, now_s: float) -> EngineRequest:
-        """PD: a prefilled request arrives with its KV; its first token goes out now."""
+    def add_decode(self, req: EngineRequest) -> None:
+        """PD: a prefilled request arrives with its KV. It waits for room in the pool and the
+        running cap like any request; its first token comes out with its first decode step."""
         self.check(req)
         req.decode_worker = self.name
-        self._reserve(req, req.prompt_tokens + req.max_new_tokens)
-        req.phase = Phase.DECODE
-        req.first_token_s = now_s
-        req.generated_tokens = 1
-        self.generation_tokens_total += 1
-        if req.generated_tokens >= req.max_new_tokens:
-            self._finish(req, now_s)
-        else:
-            self.running.append(req)
-        return req
+        req.phase = Phase.TRANSFER
+        req.generated_tokens = 0
+        self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -245,7 +247,7 @@ class Engine:
         return WorkerLoad(
             running=len(self.running) + len(self.prefilling),
             waiting=len(self.waiting),
-            used_tokens=self.reserved_tokens,
+            used_tokens=self.used_tokens,
             pool_tokens=self.pool_tokens,
             queued_prefill_tokens=queued,
             decode_context_tokens=sum(r.context_tokens for r in self.running),
@@ -253,19 +255,28 @@ class Engine:
 
     # ---- KV accounting -------------------------------------------------------------------
 
-    def _set_cache_capacity(self, block_tokens: float) -> None:
-        self._block_tokens = block_tokens
-        free = max(self.pool_tokens - self.reserved_tokens, 0)
-        self.cluster.index.set_capacity(self.name, int(free / max(block_tokens, 1e-9)))
+    @property
+    def used_tokens(self) -> int:
+        return self.reserved_tokens + self.locked_tokens
 
-    def _reserve(self, req: EngineRequest, tokens: int) -> None:
-        req.reserved_tokens = tokens
-        self.reserved_tokens += req.reserved_tokens
+    def _set_cache_capacity(self, block_tokens: float) -> None:
+        # The cache is counted in blocks of the first requests' size: mixing text and token
+        # prompts (blocks of ~18.8 and 16 tokens) would otherwise resize it on every request.
+        if self._block_tokens is None:
+            self._block_tokens = block_tokens
+        free = max(self.pool_tokens - self.reserved_tokens, 0)
+        self.cluster.index.set_capacity(self.name, int(free / max(self._block_tokens, 1e-9)))
+
+    def _reserve(self, req: EngineRequest, tokens: int, locked: int = 0) -> None:
+        req.reserved_tokens, req.locked_tokens = tokens, locked
+        self.reserved_tokens += tokens
+        self.locked_tokens += locked
         self._set_cache_capacity(req.block_tokens)
 
     def _release(self, req: EngineRequest) -> None:
         self.reserved_tokens -= req.reserved_tokens
-        req.reserved_tokens = 0
+        self.locked_tokens -= req.locked_tokens
+        req.reserved_tokens = req.locked_tokens = 0
         self._set_cache_capacity(req.block_tokens)
 
     def flush_cache(self) -> int:
@@ -294,7 +305,7 @@ class Engine:
         req.global_cached_tokens = max(min(loaded, req.prompt_tokens - 1 - local), 0)
         req.prefilled_tokens = req.cached_tokens
         req.phase = Phase.PREFILL
-        self._reserve(req, self._kv_need(req, local))
+        self._reserve(req, self._kv_need(req, local), locked=local)
         self.prompt_tokens_total += req.prompt_tokens
         self.cached_tokens_total += req.cached_tokens
         tier = self.cluster.global_tier
@@ -305,7 +316,8 @@ class Engine:
         )
 
     def next_batch(self, now_s: float) -> Batch | None:
-        """Plans the next iteration starting at ``now_s``; None when there is nothing to run."""
+        """Plans the next iteration starting at ``now_s``; None when there is nothing to run.
+        Requests that arrive after ``now_s`` wait for a later iteration."""
         budget = self.config.chunk_tokens
         prefill: list[tuple[EngineRequest, int]] = []
         load_s = 0.0
@@ -315,20 +327,29 @@ class Engine:
             n = min(req.prompt_tokens - req.prefilled_tokens, budget)
             prefill.append((req, n))
             budget -= n
-        if self.role != "decode":
-            while budget > 0 and self.waiting:
-                req = self.waiting[0]
-                if len(self.running) + len(self.prefilling) >= self.config.max_running_requests:
+        while self.waiting and self.waiting[0].arrival_s <= now_s:
+            req = self.waiting[0]
+            if len(self.running) + len(self.prefilling) >= self.config.max_running_requests:
+                break
+            if self.role == "decode":
+                if self.used_tokens + req.prompt_tokens + req.max_new_tokens > self.pool_tokens:
                     break
-                need = self._kv_need(req, self._local_tokens(req, touch=False))
-                if self.reserved_tokens + need > self.pool_tokens:
-                    break  # waits for KV to free up, in FIFO order
                 self.waiting.popleft()
-                load_s += self._admit(req)
-                self.prefilling.append(req)
-                n = min(req.prompt_tokens - req.prefilled_tokens, budget)
-                prefill.append((req, n))
-                budget -= n
+                self._reserve(req, req.prompt_tokens + req.max_new_tokens)
+                req.phase = Phase.DECODE
+                self.running.append(req)
+                continue
+            if budget <= 0:
+                break
+            local = self._local_tokens(req, touch=False)
+            if self.used_tokens + self._kv_need(req, local) + local > self.pool_tokens:
+                break  # waits for KV to free up, in FIFO order
+            self.waiting.popleft()
+            load_s += self._admit(req)
+            self.prefilling.append(req)
+            n = min(req.prompt_tokens - req.prefilled_tokens, budget)
+            prefill.append((req, n))
+            budget -= n
         decode = list(self.running)
         if not prefill and not decode:
             return None
@@ -349,7 +370,11 @@ class Engine:
                 continue  # aborted meanwhile
             req.generated_tokens += 1
             self.generation_tokens_total += 1
-            events.decoded.append(req)
+            if req.generated_tokens == 1:  # PD: a decode worker's first step
+                req.first_token_s = now_s
+                events.first_token.append(req)
+            else:
+                events.decoded.append(req)
             if req.generated_tokens >= req.max_new_tokens:
                 self.running.remove(req)
                 self._finish(req, now_s)
@@ -397,7 +422,7 @@ class Engine:
         for queue in (self.waiting, self.prefilling, self.running):
             if req in queue:
                 queue.remove(req)
-                if req.reserved_tokens:
+                if req.reserved_tokens or req.locked_tokens:
                     self._release(req)
                 req.phase = Phase.DONE
                 return True

@@ -149,7 +149,13 @@ def simulate(
     heap: list[tuple[float, int, int, object]] = []
     seq = itertools.count()
     followers: dict[str, list[SimRequest]] = defaultdict(list)
+    rids = [r.rid for r in requests]
+    if len(set(rids)) != len(rids):
+        raise ValueError("request ids must be unique")
+    known = set(rids)
     for r in requests:
+        if r.after is not None and r.after not in known:
+            raise ValueError(f"request {r.rid}: follows unknown request {r.after!r}")
         if r.after is not None:
             followers[r.after].append(r)
         elif r.arrival_s is not None:
@@ -247,12 +253,10 @@ def simulate(
         else:
             target, req = cast(tuple[Engine, EngineRequest], obj)
             try:
-                target.add_decode(req, now)
+                target.add_decode(req)
             except RequestTooLarge as e:
                 done(None, sims.pop(req.rid), now, str(e))
                 continue
-            if req.finish_s is not None:
-                done(req, sims.pop(req.rid), now, None)
             start(target, now)
 
     return SimResult(results, samples, now, time.process_time() - cpu0, iterations)

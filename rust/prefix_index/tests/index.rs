@@ -234,41 +234,49 @@ impl Model {
     }
 }
 
+impl Model {
+    fn touch_one(&mut self, s: usize, prompt: &[u8]) {
+        self.tick += 1;
+        for d in 1..=self.matched(s, prompt) {
+            self.held[s].get_mut(&prompt[..d]).unwrap().0 = self.tick;
+        }
+    }
+}
 #[derive(Debug, Clone)]
 enum Op {
     Insert(usize, Vec<u8>),
     Match(Vec<u8>, bool),
-    Remove(usize, Vec<u8>),
+    MatchOne(usize, Vec<u8>),
+    Remove(usize, Vec<u8>, Vec<usize>),
     Clear(usize),
     SetCapacity(usize, u64),
+    Readd(usize),
 }
-
 fn prompt() -> impl Strategy<Value = Vec<u8>> {
     // A small alphabet makes prompts share prefixes often.
-    prop::collection::vec(0u8..3, 0..10)
+    prop::collection::vec(0u8..3, 0..12)
 }
-
 fn op(n: usize) -> impl Strategy<Value = Op> {
     prop_oneof![
         5 => (0..n, prompt()).prop_map(|(s, p)| Op::Insert(s, p)),
-        3 => (prompt(), any::<bool>()).prop_map(|(p, t)| Op::Match(p, t)),
-        1 => (0..n, prompt()).prop_map(|(s, p)| Op::Remove(s, p)),
+        2 => (prompt(), any::<bool>()).prop_map(|(p, t)| Op::Match(p, t)),
+        2 => (0..n, prompt()).prop_map(|(s, p)| Op::MatchOne(s, p)),
+        2 => (0..n, prompt(), prop::collection::vec(0usize..12, 0..4)).prop_map(|(s, p, k)| Op::Remove(s, p, k)),
         1 => (0..n).prop_map(Op::Clear),
         1 => (0..n, 0u64..20).prop_map(|(s, c)| Op::SetCapacity(s, c)),
+        1 => (0..n).prop_map(Op::Readd),
     ]
 }
-
 fn keys_of(prompt: &[u8]) -> Vec<u64> {
     let ids: Vec<u64> = prompt.iter().map(|&b| u64::from(b)).collect();
     chain_ids(&ids)
 }
-
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(500))]
+    #![proptest_config(ProptestConfig::with_cases(1000))]
     #[test]
     fn index_agrees_with_the_prefix_set_model(
         caps in prop::collection::vec(0u64..16, 1..4),
-        ops in prop::collection::vec(op(4), 1..60),
+        ops in prop::collection::vec(op(4), 1..80),
     ) {
         let n = caps.len();
         let names: Vec<String> = (0..n).map(|i| format!("w{i}")).collect();
@@ -287,16 +295,26 @@ proptest! {
                 Op::Match(p, touch) => {
                     let keys = keys_of(&p);
                     let got = if touch { index.match_all_touch(&keys) } else { index.match_all(&keys) };
-                    let want: Vec<u32> = (0..n).map(|s| model.matched(s, &p) as u32).collect();
+                    let order = index.instances();
+                    let want: Vec<u32> = order.iter().map(|nm| { let s = names.iter().position(|x| x == nm).unwrap(); model.matched(s, &p) as u32 }).collect();
                     prop_assert_eq!(got.blocks, want);
                     if touch { model.touch(&p); }
                 }
-                Op::Remove(s, p) => {
+                Op::MatchOne(s, p) => {
                     let s = s % n;
-                    // Remove the last block of the prompt (as a KV event names one page).
+                    let got = index.match_instance_touch(&names[s], &keys_of(&p)).unwrap();
+                    prop_assert_eq!(got as usize, model.matched(s, &p));
+                    model.touch_one(s, &p);
+                }
+                Op::Remove(s, p, ks) => {
+                    let s = s % n;
                     let keys = keys_of(&p);
-                    let got = index.remove(&names[s], &keys[keys.len().saturating_sub(1)..]).unwrap();
-                    let want = if p.is_empty() { 0 } else { model.remove(s, &p) };
+                    let sel: Vec<u64> = ks.iter().filter(|&&k| k < keys.len()).map(|&k| keys[k]).collect();
+                    let got = index.remove(&names[s], &sel).unwrap();
+                    let mut want = 0;
+                    for &k in ks.iter().filter(|&&k| k < keys.len()) {
+                        want += model.remove(s, &p[..=k]);
+                    }
                     prop_assert_eq!(got, want);
                 }
                 Op::Clear(s) => {
@@ -311,11 +329,19 @@ proptest! {
                     model.caps[s] = c;
                     model.evict(s);
                 }
+                Op::Readd(s) => {
+                    let s = s % n;
+                    index.remove_instance(&names[s]).unwrap();
+                    index.add_instance(&names[s], model.caps[s]).unwrap();
+                    model.held[s].clear();
+                }
             }
             index.check_invariants();
             let stats = index.stats();
-            for s in 0..n {
-                prop_assert_eq!(stats.instances[s].blocks, model.held[s].len() as u64);
+            let order = index.instances();
+            for (name, held) in names.iter().zip(&model.held) {
+                let pos = order.iter().position(|x| x == name).unwrap();
+                prop_assert_eq!(stats.instances[pos].blocks, held.len() as u64);
             }
         }
     }
