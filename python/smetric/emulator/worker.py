@@ -88,6 +88,24 @@ def _filler_text(n: int) -> str:
     return _FILLER_PREFIXES[n]
 
 
+_CHUNK_HEADS: list[bytes] = []
+
+
+def _chunk_head(n: int) -> bytes:
+    """The JSON of a streamed /generate chunk's cumulative text and ids, encoded once per n
+    (the emulator writes thousands of chunks a second; encoding each anew costs real time)."""
+    while len(_CHUNK_HEADS) <= n:
+        k = len(_CHUNK_HEADS)
+        _CHUNK_HEADS.append(
+            b'data: {"text": '
+            + json.dumps(_filler_text(k)).encode()
+            + b', "output_ids": '
+            + json.dumps(_output_ids(k)).encode()
+            + b', "meta_info": '
+        )
+    return _CHUNK_HEADS[n]
+
+
 def _output_ids(n: int) -> list[int]:
     return _OUTPUT_IDS[:n] if n <= len(_OUTPUT_IDS) else [i % 1000 for i in range(n)]
 
@@ -453,7 +471,13 @@ class EmulatedWorker:
                     self._drop(request)
                     return resp
                 if sent < stream.req.max_new_tokens:
-                    await self._send(resp, self._generate_body(stream.req, False, sent))
+                    req = stream.req
+                    meta = (
+                        f'{{"id": {json.dumps(req.rid)}, "finish_reason": null, '
+                        f'"prompt_tokens": {req.prompt_tokens}, "weight_version": "default", '
+                        f'"completion_tokens": {sent}, "cached_tokens": {req.cached_tokens}}}}}\n\n'
+                    )
+                    await resp.write(_chunk_head(sent) + meta.encode())
         await self._send(resp, self._generate_body(stream.req, final=True))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
