@@ -467,7 +467,22 @@ class Router:
                 worker.running_decode_tokens -= view.prompt_tokens
             else:
                 worker.queued_prefill_tokens -= uncached
-            self.e2e.observe(time.perf_counter() - t0)
+            e2e = time.perf_counter() - t0
+            self.e2e.observe(e2e)
+            if log.isEnabledFor(logging.INFO):
+                log.info(
+                    "request rid=%s api=%s worker=%s policy=%s reason=%s prompt_tokens=%d "
+                    "hit_tokens=%d stream=%s e2e_ms=%.1f",
+                    rid,
+                    view.api,
+                    worker.url,
+                    self.policy.name,
+                    decision.reason,
+                    view.prompt_tokens,
+                    hit,
+                    view.stream,
+                    e2e * 1e3,
+                )
 
     # ---- PD ------------------------------------------------------------------------------
 
