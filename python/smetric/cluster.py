@@ -8,10 +8,12 @@ is a pure function of a ``RequestView`` and a ``ClusterView``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerView:
+class WorkerView(NamedTuple):
+    """One worker as a policy sees it (a named tuple: built per worker per request, so cheap)."""
+
     url: str
     in_flight: int = 0
     """Requests dispatched and not finished."""

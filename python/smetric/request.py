@@ -21,11 +21,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from smetric import BlockKeys, hash_text, hash_tokens
 
 
 def _compact_json(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    except TypeError:  # what orjson cannot encode (e.g. ints beyond 64 bits)
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def loads(raw: bytes) -> Any:
+    """Parses a request body (orjson, falling back to the standard library for the JSON that
+    orjson refuses but Python accepts, such as integers beyond 64 bits)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
 
 
 def _content_text(content: Any) -> str:

@@ -26,7 +26,14 @@ from smetric import PrefixIndex
 from smetric.cluster import ClusterView, Decision
 from smetric.policies import Policy, PolicyConfig, make_policy
 from smetric.prom import Histogram, render_families
-from smetric.request import BYTES_PER_TOKEN, TEXT_BLOCK_BYTES, BadRequest, RequestView, view_request
+from smetric.request import (
+    BYTES_PER_TOKEN,
+    TEXT_BLOCK_BYTES,
+    BadRequest,
+    RequestView,
+    loads,
+    view_request,
+)
 from smetric.router.config import RouterConfig
 from smetric.router.workers import Worker
 
@@ -306,7 +313,7 @@ class Router:
         except web.HTTPRequestEntityTooLarge:
             return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
         try:
-            body = json.loads(raw)
+            body = loads(raw)
         except (ValueError, UnicodeDecodeError):
             return self._count(api, error_json(400, "request body is not valid JSON"))
         try:
