@@ -48,6 +48,17 @@ class Retry(Exception):
     """The worker failed before anything reached the client: try another."""
 
 
+class ClientGone(Exception):
+    """The client closed its connection: not the worker's fault."""
+
+
+async def _downstream(write: Any) -> None:
+    try:
+        await write
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError) as e:
+        raise ClientGone() from e
+
+
 def error_json(status: int, message: str, kind: str | None = None) -> web.Response:
     kind = kind or {
         400: "BadRequestError",
