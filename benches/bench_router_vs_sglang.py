@@ -91,8 +91,9 @@ async def latencies(url: str, payloads: list[bytes], stream: bool = False) -> li
     out = []
     async with aiohttp.ClientSession() as s:
         for p in payloads[:3]:  # warm the connection
-            async with s.post(url + "/generate", data=p,
-                              headers={"Content-Type": "application/json"}) as r:
+            async with s.post(
+                url + "/generate", data=p, headers={"Content-Type": "application/json"}
+            ) as r:
                 await r.read()
         for p in payloads:
             t0 = time.perf_counter()

@@ -6,13 +6,61 @@ python benches/mock_worker.py --port 31001
 from __future__ import annotations
 
 import argparse
+import json
 
 from aiohttp import web
 
-ANSWER = b'{"text":"ok","output_ids":[1],"meta_info":{"id":"x","finish_reason":{"type":"length","length":1},"prompt_tokens":1,"completion_tokens":1,"cached_tokens":0,"e2e_latency":0.0}}'
-CHUNK = b'data: {"text":"ok","output_ids":[1],"meta_info":{"id":"x","finish_reason":null}}\n\n'
-INFO = b'{"model_path":"mock","tokenizer_path":"mock","max_total_num_tokens":1000000,"page_size":16,"version":"0.5.9","is_generation":true}'
-LOADS = b'{"timestamp":"","version":"0.5.9","loads":[{"num_running_reqs":0,"num_waiting_reqs":0,"num_used_tokens":0,"max_total_num_tokens":1000000,"token_usage":0.0,"cache_hit_rate":0.0}]}'
+ANSWER = json.dumps(
+    {
+        "text": "ok",
+        "output_ids": [1],
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 1,
+            "completion_tokens": 1,
+            "cached_tokens": 0,
+            "e2e_latency": 0.0,
+        },
+    }
+).encode()
+CHUNK = (
+    b"data: "
+    + json.dumps(
+        {
+            "text": "ok",
+            "output_ids": [1],
+            "meta_info": {"id": "x", "finish_reason": None},
+        }
+    ).encode()
+    + b"\n\n"
+)
+INFO = json.dumps(
+    {
+        "model_path": "mock",
+        "tokenizer_path": "mock",
+        "max_total_num_tokens": 1_000_000,
+        "page_size": 16,
+        "version": "0.5.9",
+        "is_generation": True,
+    }
+).encode()
+LOADS = json.dumps(
+    {
+        "timestamp": "",
+        "version": "0.5.9",
+        "loads": [
+            {
+                "num_running_reqs": 0,
+                "num_waiting_reqs": 0,
+                "num_used_tokens": 0,
+                "max_total_num_tokens": 1_000_000,
+                "token_usage": 0.0,
+                "cache_hit_rate": 0.0,
+            }
+        ],
+    }
+).encode()
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
