@@ -28,6 +28,7 @@ def w(url: str, in_flight: int = 0, queued: int = 0, decode: int = 0, hit: int =
 
 def test_registry_names_every_policy_and_rejects_unknown_names():
     assert set(POLICIES) == {
+        "smetric",
         "round_robin",
         "random",
         "power_of_two",

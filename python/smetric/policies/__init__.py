@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from smetric.cluster import ClusterView, Decision
+from smetric.policies.smetric import SMetric, SMetricConfig
 from smetric.request import RequestView
 
 
@@ -21,6 +22,7 @@ class PolicyConfig:
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
     seed: int = 0
+    smetric: SMetricConfig = SMetricConfig()
 
 
 class Policy(Protocol):
@@ -48,6 +50,7 @@ from smetric.policies.round_robin import RoundRobin  # noqa: E402
 from smetric.policies.sticky import Sticky  # noqa: E402
 
 POLICIES: dict[str, Callable[[PolicyConfig], Policy]] = {
+    "smetric": SMetric,
     "round_robin": RoundRobin,
     "random": Random,
     "power_of_two": PowerOfTwo,
@@ -67,4 +70,11 @@ def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
     return factory(config or PolicyConfig())
 
 
-__all__ = ["POLICIES", "Policy", "PolicyConfig", "least_loaded", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "PolicyConfig",
+    "SMetricConfig",
+    "least_loaded",
+    "make_policy",
+]

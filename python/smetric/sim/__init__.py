@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from smetric import BlockKeys, PrefixIndex
+from smetric.cluster import ClusterView, WorkerView
 from smetric.engine import (
     Batch,
     Cluster,
@@ -28,6 +29,8 @@ from smetric.engine import (
     WorkerLoad,
 )
 from smetric.perf import Profile
+from smetric.policies import Policy
+from smetric.request import PromptKey, RequestView
 
 
 @dataclass
@@ -79,6 +82,8 @@ class SimResult:
     makespan_s: float
     cpu_s: float
     iterations: int
+    decisions: dict[str, int]
+    """Routing decisions by reason (policies run through ``policy_route``)."""
 
     def ok(self) -> list[RequestResult]:
         return [r for r in self.requests if r.error is None]
@@ -91,12 +96,54 @@ class ClusterState:
         self._engines = engines
         self.workers = list(engines)
         self.index = index
+        self.decisions: dict[str, int] = {}
+        """Decisions by reason, for policies run through ``policy_route``."""
 
     def load(self, worker: str) -> WorkerLoad:
         return self._engines[worker].load()
 
 
 Route = Callable[[SimRequest, ClusterState], str]
+
+
+def policy_route(policy: Policy, max_new_tokens: int | None = None) -> Route:
+    """Runs a router policy, unchanged, in the simulator: the request becomes a ``RequestView``
+    and the engines' loads plus the index's match become the ``ClusterView`` it decides on (the
+    simulator knows each engine's queued prefill exactly, where the router estimates it)."""
+
+    def route(req: SimRequest, state: ClusterState) -> str:
+        key = PromptKey(req.keys, req.prompt_tokens, req.block_tokens)
+        view = RequestView(
+            "chat",
+            key,
+            max_new_tokens or req.output_tokens,
+            False,
+            req.session,
+            req.is_first_turn,
+        )
+        match = state.index.match(req.keys, touch=False)
+        hits = dict(zip(state.index.instances(), match.blocks, strict=True))
+        workers = []
+        for name in state.workers:
+            load = state.load(name)
+            workers.append(
+                WorkerView(
+                    name,
+                    load.running + load.waiting,
+                    load.queued_prefill_tokens,
+                    load.decode_context_tokens,
+                    load.running,
+                    load.waiting,
+                    load.used_tokens / load.pool_tokens if load.pool_tokens else 0.0,
+                    hits.get(name, 0),
+                )
+            )
+        cluster = ClusterView(tuple(workers), match.global_blocks, len(req.keys), req.block_tokens)
+        decision = policy.select(view, cluster)
+        state.decisions[decision.reason] = state.decisions.get(decision.reason, 0) + 1
+        return state.workers[decision.worker]
+
+    return route
 
 
 def least_loaded(req: SimRequest, state: ClusterState) -> str:
@@ -259,7 +306,7 @@ def simulate(
                 continue
             start(target, now)
 
-    return SimResult(results, samples, now, time.process_time() - cpu0, iterations)
+    return SimResult(results, samples, now, time.process_time() - cpu0, iterations, state.decisions)
 
 
 __all__ = [
@@ -270,6 +317,7 @@ __all__ = [
     "SimRequest",
     "SimResult",
     "least_loaded",
+    "policy_route",
     "round_robin",
     "simulate",
 ]

@@ -63,3 +63,37 @@ def load_sessions(path: str | Path | None = None, limit: int | None = None) -> l
         if limit is not None and len(sessions) >= limit:
             break
     return sessions
+
+
+def output_tokens(turn: Turn) -> int:
+    """Output length of a recorded turn: the answer's size at 3.4 bytes a token (tool-call
+    answers carry their JSON in ``output_text`` too), at least 1."""
+    return max(1, round(len(turn.output_text.encode()) / 3.4))
+
+
+def sim_requests(
+    sessions: list[Session], start_gap_s: float = 1.0, think_s: float = 1.0
+) -> list[Any]:
+    """The sessions as simulator requests: session i starts at ``i * start_gap_s``; each next turn
+    arrives ``tool_time_s`` (or ``think_s`` where unrecorded) after the previous answer."""
+    from smetric.request import chat_prompt_text, key_text
+    from smetric.sim import SimRequest
+
+    out = []
+    for i, s in enumerate(sessions):
+        prev = None
+        for k, turn in enumerate(s.turns):
+            key = key_text(chat_prompt_text(turn.messages, s.tools))
+            rid = f"{s.session_id}#{k}"
+            out.append(
+                SimRequest(
+                    rid, key.prompt_tokens, output_tokens(turn), key.keys, key.block_tokens,
+                    arrival_s=i * start_gap_s if prev is None else None,
+                    after=prev,
+                    delay_s=0.0 if prev is None else (turn.tool_time_s or think_s),
+                    session=s.session_id,
+                    is_first_turn=k == 0,
+                )
+            )
+            prev = rid
+    return out

@@ -1,0 +1,154 @@
+"""SMetric: differential scheduling on the session turn and the local KV hit, gated by the SLO.
+
+* **Session turn.** A chat request is a first turn when it has no assistant or tool message. A
+  raw prompt (``/generate``, completions) cannot say, so it counts as a follow-up when some
+  instance holds at least ``FOLLOW_UP_HIT_FRACTION`` (half) of it beyond the prefix every
+  instance holds; a session key header, when present, marks every request after the first with
+  that key as a follow-up and remembers where the session lives.
+* **Local hit.** Per instance, from the prefix index. A prefix that every instance holds (a shared
+  system prompt) is no sign of a session, so the *session hit* is the best hit minus the hit all
+  instances share.
+* **First turn** -> the least loaded instance, by predicted queueing delay
+  (``first_turn_balance``).
+* **Follow-up** -> the instance holding the most of it (or the session key's instance), if the SLO
+  model predicts its TTFT and TPOT there within the SLOs (``stick``); otherwise migrate to the
+  least loaded other instance, which loads the session's KV from the global tier instead of
+  recomputing it (``migrate_slo``). If neither meets the SLO, whichever is predicted faster
+  (``stick_over_slo`` / ``migrate_over_slo``). A follow-up with no session hit anywhere is
+  balanced like a first turn (``follow_up_no_hit_balance``).
+* The best-hit instance being unhealthy needs no rule: the snapshot holds eligible instances only,
+  so the session's next-best holder, or the least loaded, is chosen among those.
+
+Ties go to the first instance in the snapshot (the order workers were added). Ablations:
+``slo_gate=False`` always sticks, ``migration=False`` sticks even over the SLO,
+``turn_detection=False`` treats every request as a follow-up (hit only), and
+``load_metric="requests"`` balances by request count instead of predicted delay.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from smetric.cluster import ClusterView, Decision, WorkerView
+from smetric.perf import DEFAULT_PROFILE, Profile, load_profile
+from smetric.request import RequestView
+from smetric.slo import SLOConfig, SLOModel
+
+FOLLOW_UP_HIT_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class SMetricConfig:
+    profile: str = DEFAULT_PROFILE
+    slo: SLOConfig = SLOConfig()
+    slo_gate: bool = True
+    migration: bool = True
+    turn_detection: bool = True
+    load_metric: str = "delay"
+    """``delay`` (predicted queueing delay) or ``requests`` (in-flight count)."""
+    max_sessions: int = 1_000_000
+
+
+class SMetric:
+    name = "smetric"
+
+    def __init__(self, config: object = None, profile: Profile | None = None) -> None:
+        cfg = getattr(config, "smetric", None) or SMetricConfig()
+        assert isinstance(cfg, SMetricConfig)
+        if cfg.load_metric not in ("delay", "requests"):
+            raise ValueError("load_metric must be 'delay' or 'requests'")
+        self.config = cfg
+        self.slo = SLOModel(profile or load_profile(cfg.profile), cfg.slo)
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    # ---- load ----------------------------------------------------------------------------
+
+    def _least_loaded(self, cluster: ClusterView, exclude: int = -1) -> int:
+        ws = cluster.workers
+        idx = [i for i in range(len(ws)) if i != exclude] or [exclude]
+        if self.config.load_metric == "requests":
+            return min(idx, key=lambda i: (ws[i].in_flight, ws[i].queued_prefill_tokens))
+        delay = self.slo.queue_delay_s
+        return min(
+            idx, key=lambda i: (delay(ws[i].url, ws[i].queued_prefill_tokens), ws[i].in_flight)
+        )
+
+    def _predict(
+        self, w: WorkerView, req: RequestView, local_tokens: int, global_tokens: int
+    ) -> tuple[float, float]:
+        ttft = self.slo.predict_ttft_s(
+            w.url, w.queued_prefill_tokens, req.prompt_tokens, local_tokens, global_tokens
+        )
+        tpot = self.slo.predict_tpot_s(
+            w.url, w.in_flight, w.running_decode_tokens, req.prompt_tokens
+        )
+        return ttft, tpot
+
+    # ---- the decision --------------------------------------------------------------------
+
+    def _remember(self, req: RequestView, url: str) -> None:
+        if req.session_key is None:
+            return
+        self._sessions[req.session_key] = url
+        self._sessions.move_to_end(req.session_key)
+        while len(self._sessions) > self.config.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def select(self, req: RequestView, cluster: ClusterView) -> Decision:
+        d = self._select(req, cluster)
+        self._remember(req, cluster.workers[d.worker].url)
+        return d
+
+    def _select(self, req: RequestView, cluster: ClusterView) -> Decision:
+        ws = cluster.workers
+        hits = [w.local_hit_blocks for w in ws]
+        best = max(range(len(ws)), key=lambda i: hits[i])
+        shared = min(hits)
+        session_blocks = hits[best] - shared
+
+        # The session key, when given, names where the session lives.
+        home = None
+        if req.session_key is not None:
+            url = self._sessions.get(req.session_key)
+            home = next((i for i, w in enumerate(ws) if w.url == url), None)
+            if url is not None and home is None:
+                home = best if session_blocks else None  # its instance is gone
+
+        if not self.config.turn_detection or (
+            req.session_key is not None and req.session_key in self._sessions
+        ):
+            first = False
+        elif req.is_first_turn is not None:
+            first = req.is_first_turn
+        else:
+            q = max(cluster.query_blocks, 1)
+            first = session_blocks / q < FOLLOW_UP_HIT_FRACTION
+
+        if first:
+            return Decision(self._least_loaded(cluster), "first_turn_balance")
+        cand = home if home is not None else best
+        if home is None and session_blocks == 0:
+            return Decision(self._least_loaded(cluster), "follow_up_no_hit_balance")
+        if not self.config.slo_gate:
+            return Decision(cand, "stick")
+
+        prompt = req.prompt_tokens
+        local = cluster.local_hit_tokens(cand, prompt)
+        global_tokens = max(int(cluster.global_hit_blocks * cluster.block_tokens) - local, 0)
+        ttft, tpot = self._predict(ws[cand], req, local, global_tokens)
+        ttft_slo, tpot_slo = self.slo.ttft_slo_s(prompt), self.slo.tpot_slo_s
+        if ttft <= ttft_slo and tpot <= tpot_slo:
+            return Decision(cand, "stick")
+        if not self.config.migration or len(ws) == 1:
+            return Decision(cand, "stick_over_slo")
+        target = self._least_loaded(cluster, exclude=cand)
+        t_local = cluster.local_hit_tokens(target, prompt)
+        t_global = max(int(cluster.global_hit_blocks * cluster.block_tokens) - t_local, 0)
+        t_ttft, t_tpot = self._predict(ws[target], req, t_local, t_global)
+        if t_ttft <= ttft_slo and t_tpot <= tpot_slo:
+            return Decision(target, "migrate_slo")
+        # Nobody meets the SLO: the faster of the two (TTFT first, then TPOT).
+        if (t_ttft, t_tpot) < (ttft, tpot):
+            return Decision(target, "migrate_over_slo")
+        return Decision(cand, "stick_over_slo")

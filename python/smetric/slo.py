@@ -1,0 +1,160 @@
+"""The SLO model: predicted TTFT and TPOT of a request on an instance, from the same performance
+profile the engine model uses, corrected online from what responses show.
+
+SLOs (SPEC §4): a request's TTFT SLO is ``ttft_slo_scale`` (k, default 5) times the TTFT it would
+have alone on an idle instance with nothing cached, or an absolute ``ttft_slo_ms``; the TPOT SLO is
+``tpot_slo_ms`` (default 100 ms).
+
+Predictions are closed-form (a few multiplications per instance) so a policy can afford them on
+the hot path:
+
+* TTFT = (FLOPs of the prefill queued ahead + FLOPs of this request's uncached tokens over its
+  cached context) / (peak x mfu) + one iteration overhead per prefill chunk + the global-tier load
+  time of the part loaded instead of recomputed. Queued prefill is compute-bound, so the decode
+  steps sharing those iterations are left out.
+* TPOT = one decode step of the instance's batch with this request added (batch and context).
+
+Each instance has a correction factor per quantity: the ratio of observed to predicted, averaged
+(EWMA, weight 0.2), bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life when nothing
+new is observed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from smetric.perf import Profile
+
+CORRECTION_WEIGHT = 0.2
+CORRECTION_BOUNDS = (0.5, 2.0)
+CORRECTION_HALF_LIFE_S = 60.0
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    ttft_slo_scale: float = 5.0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float = 100.0
+    chunk_tokens: int = 8192
+    global_tier: bool = True
+    global_load_bytes_per_s: float = 25e9
+    global_load_latency_s: float = 0.002
+
+
+class _Correction:
+    __slots__ = ("at", "factor")
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self.at = 0.0
+
+
+class SLOModel:
+    def __init__(
+        self,
+        profile: Profile,
+        config: SLOConfig = SLOConfig(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.profile = profile
+        self.config = config
+        self.clock = clock
+        m, g = profile.model, profile.gpu
+        self._flops_per_s = g.bf16_flops * profile.mfu
+        self._linear = 2.0 * m.active_params  # FLOPs per token
+        self._attention = 4.0 * m.layers * m.q_heads * m.head_dim  # FLOPs per token pair
+        self._kv_bytes = profile.kv_bytes_per_token
+        self._ttft: dict[str, _Correction] = {}
+        self._tpot: dict[str, _Correction] = {}
+
+    # ---- SLOs ----------------------------------------------------------------------------
+
+    def idle_ttft_s(self, prompt_tokens: int) -> float:
+        return self._prefill_s(0, prompt_tokens, 0)
+
+    def ttft_slo_s(self, prompt_tokens: int) -> float:
+        if self.config.ttft_slo_ms is not None:
+            return self.config.ttft_slo_ms / 1000.0
+        return self.config.ttft_slo_scale * self.idle_ttft_s(prompt_tokens)
+
+    @property
+    def tpot_slo_s(self) -> float:
+        return self.config.tpot_slo_ms / 1000.0
+
+    # ---- predictions ---------------------------------------------------------------------
+
+    def _prefill_s(self, queued: int, uncached: int, cached: int) -> float:
+        flops = self._linear * (queued + uncached)
+        flops += self._attention * (uncached * cached + uncached * (uncached + 1) / 2.0)
+        chunks = math.ceil((queued + uncached) / self.config.chunk_tokens)
+        return flops / self._flops_per_s + chunks * self.profile.overhead_s
+
+    def global_load_s(self, tokens: int) -> float:
+        if tokens <= 0 or not self.config.global_tier:
+            return 0.0
+        c = self.config
+        return tokens * self._kv_bytes / c.global_load_bytes_per_s + c.global_load_latency_s
+
+    def queue_delay_s(self, url: str, queued_prefill_tokens: int) -> float:
+        """How long prefill already queued on an instance keeps a new request waiting."""
+        if queued_prefill_tokens <= 0:
+            return 0.0
+        return self._prefill_s(queued_prefill_tokens, 0, 0) * self._factor(self._ttft, url)
+
+    def predict_ttft_s(
+        self,
+        url: str,
+        queued_prefill_tokens: int,
+        prompt_tokens: int,
+        local_tokens: int,
+        global_tokens: int = 0,
+    ) -> float:
+        """TTFT of a request with ``local_tokens`` cached on the instance and ``global_tokens``
+        more loadable from the global tier (ignored without one)."""
+        loaded = global_tokens if self.config.global_tier else 0
+        cached = min(local_tokens + loaded, max(prompt_tokens - 1, 0))
+        uncached = prompt_tokens - cached
+        t = self._prefill_s(queued_prefill_tokens, uncached, cached)
+        return (t + self.global_load_s(cached - local_tokens)) * self._factor(self._ttft, url)
+
+    def predict_tpot_s(
+        self, url: str, decode_batch: int, decode_context_tokens: int, prompt_tokens: int
+    ) -> float:
+        """One decode step once this request joins the batch."""
+        step = self.profile.decode_step_s(decode_batch + 1, decode_context_tokens + prompt_tokens)
+        return step * self._factor(self._tpot, url)
+
+    # ---- online correction ---------------------------------------------------------------
+
+    def _factor(self, table: dict[str, _Correction], url: str) -> float:
+        c = table.get(url)
+        if c is None:
+            return 1.0
+        age = self.clock() - c.at
+        decay: float = 0.5 ** (age / CORRECTION_HALF_LIFE_S)
+        return 1.0 + (c.factor - 1.0) * decay
+
+    def _observe(
+        self, table: dict[str, _Correction], url: str, predicted: float, observed: float
+    ) -> None:
+        if predicted <= 0 or observed <= 0:
+            return
+        c = table.setdefault(url, _Correction())
+        current = self._factor(table, url)
+        raw = current * observed / predicted  # predicted already carried the current factor
+        lo, hi = CORRECTION_BOUNDS
+        c.factor = min(max(current + CORRECTION_WEIGHT * (raw - current), lo), hi)
+        c.at = self.clock()
+
+    def observe_ttft(self, url: str, predicted_s: float, observed_s: float) -> None:
+        self._observe(self._ttft, url, predicted_s, observed_s)
+
+    def observe_tpot(self, url: str, predicted_s: float, observed_s: float) -> None:
+        self._observe(self._tpot, url, predicted_s, observed_s)
+
+    def correction(self, url: str) -> tuple[float, float]:
+        """Current (TTFT, TPOT) correction factors of an instance."""
+        return self._factor(self._ttft, url), self._factor(self._tpot, url)

@@ -1,0 +1,239 @@
+"""The SMetric policy's rules and corner cases, on hand-built cluster states, and its SLO model
+against the engine model."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from smetric import BlockKeys
+from smetric.cluster import ClusterView, WorkerView
+from smetric.perf import PRESETS
+from smetric.policies import PolicyConfig, SMetricConfig, make_policy
+from smetric.request import PromptKey, RequestView
+from smetric.sim import SimRequest, least_loaded, policy_route, simulate
+from smetric.slo import SLOConfig, SLOModel
+
+PROFILE = PRESETS["qwen2.5-7b-h200"]
+BT = 16.0
+PROMPT = 16_000  # tokens; 1,000 blocks
+
+
+def req(first: bool | None = False, session: str | None = None, prompt: int = PROMPT):
+    key = PromptKey(BlockKeys.from_ids(range(int(prompt // BT))), prompt, BT)
+    return RequestView("chat", key, 200, False, session, first)
+
+
+def w(url: str, hit: int = 0, in_flight: int = 0, queued: int = 0, decode: int = 0):
+    return WorkerView(url, in_flight, queued, decode, local_hit_blocks=hit)
+
+
+def cluster(*workers: WorkerView, global_hit: int = 0, blocks: int = int(PROMPT // BT)):
+    return ClusterView(tuple(workers), global_hit, blocks, BT)
+
+
+def smetric(**kw):
+    return make_policy("smetric", PolicyConfig(smetric=SMetricConfig(**kw)))
+
+
+def decide(policy, r, c):
+    d = policy.select(r, c)
+    return c.workers[d.worker].url, d.reason
+
+
+# ---- rules --------------------------------------------------------------------------------
+
+
+def test_first_turn_goes_to_the_least_loaded_by_predicted_delay_not_request_count():
+    # b has more requests in flight but far less prefill queued ahead: it starts sooner.
+    c = cluster(
+        w("a", in_flight=2, queued=60_000),
+        w("b", in_flight=6, queued=2_000),
+        w("c", in_flight=3, queued=30_000),
+    )
+    assert decide(smetric(), req(first=True), c) == ("b", "first_turn_balance")
+    # The request-count ablation picks a instead.
+    assert decide(smetric(load_metric="requests"), req(first=True), c) == (
+        "a",
+        "first_turn_balance",
+    )
+
+
+def test_follow_up_sticks_to_the_instance_with_the_highest_local_hit_when_it_meets_the_slo():
+    c = cluster(w("a", hit=100), w("b", hit=950, in_flight=3, queued=4_000), w("c"))
+    assert decide(smetric(), req(), c) == ("b", "stick")
+
+
+def test_follow_up_migrates_when_the_sticky_instance_would_miss_the_ttft_slo():
+    # b holds the session but has ~400k prefill tokens queued ahead: far past 5x the idle TTFT.
+    c = cluster(
+        w("a", hit=100),
+        w("b", hit=950, queued=400_000),
+        w("c", hit=100, queued=1_000),
+        global_hit=950,
+    )
+    assert decide(smetric(), req(), c) == ("a", "migrate_slo")
+
+
+def test_follow_up_migrates_when_the_sticky_instance_would_miss_the_tpot_slo():
+    # A huge decode batch and context on b: its next decode step exceeds 100 ms.
+    c = cluster(w("a"), w("b", hit=950, in_flight=400, decode=30_000_000), global_hit=950)
+    assert decide(smetric(), req(), c) == ("a", "migrate_slo")
+
+
+def test_without_a_global_tier_migration_prices_in_recomputing_the_session():
+    slo = SLOModel(PROFILE, SLOConfig(global_tier=False))
+    with_tier = SLOModel(PROFILE, SLOConfig())
+    assert slo.predict_ttft_s("a", 0, PROMPT, 0, 15_000) > with_tier.predict_ttft_s(
+        "a", 0, PROMPT, 0, 15_000
+    )
+    assert slo.predict_ttft_s("a", 0, PROMPT, 0, 15_000) == pytest.approx(slo.idle_ttft_s(PROMPT))
+
+
+def test_when_no_instance_meets_the_slo_the_faster_one_is_chosen():
+    c = cluster(w("a", queued=300_000), w("b", hit=950, queued=400_000), global_hit=950)
+    assert decide(smetric(), req(), c) == ("a", "migrate_over_slo")
+    c = cluster(w("a", queued=900_000), w("b", hit=950, queued=400_000), global_hit=950)
+    assert decide(smetric(), req(), c) == ("b", "stick_over_slo")
+
+
+def test_a_follow_up_with_no_hit_anywhere_is_balanced():
+    c = cluster(w("a", in_flight=1, queued=9_000), w("b", queued=1_000))
+    assert decide(smetric(), req(), c) == ("b", "follow_up_no_hit_balance")
+
+
+def test_a_hit_only_on_a_shared_system_prefix_is_not_a_session():
+    # Every instance holds the first 300 blocks (the system prompt): no session locality.
+    c = cluster(w("a", hit=300, queued=50_000), w("b", hit=300), w("c", hit=300, queued=8_000))
+    assert decide(smetric(), req(), c) == ("b", "follow_up_no_hit_balance")
+
+
+def test_raw_prompts_count_as_follow_ups_when_half_of_them_is_held_beyond_the_shared_prefix():
+    c = cluster(w("a", hit=100), w("b", hit=700), w("c", hit=100, queued=5_000))
+    assert decide(smetric(), req(first=None), c) == ("b", "stick")
+    c = cluster(w("a", hit=100), w("b", hit=400), w("c", hit=100, queued=5_000))
+    assert decide(smetric(), req(first=None), c) == ("a", "first_turn_balance")
+
+
+def test_the_best_hit_instance_being_unhealthy_leaves_the_next_holder_or_balance():
+    # The snapshot holds eligible instances only: without b, a (next-best holder) is chosen.
+    c = cluster(w("a", hit=600), w("c", queued=2_000))
+    assert decide(smetric(), req(), c) == ("a", "stick")
+
+
+def test_a_session_key_marks_follow_ups_and_names_their_instance():
+    p = smetric()
+    first = cluster(w("a", queued=5_000), w("b"))
+    assert decide(p, req(first=None, session="s1"), first) == ("b", "first_turn_balance")
+    # Next turn: the index has not caught up (no hits anywhere), the key still says "b".
+    later = cluster(w("a"), w("b", queued=2_000))
+    assert decide(p, req(first=None, session="s1"), later) == ("b", "stick")
+
+
+def test_ablation_without_slo_gate_always_sticks():
+    c = cluster(w("a"), w("b", hit=950, queued=400_000), global_hit=950)
+    assert decide(smetric(slo_gate=False), req(), c) == ("b", "stick")
+
+
+def test_ablation_without_migration_sticks_over_the_slo():
+    c = cluster(w("a"), w("b", hit=950, queued=400_000), global_hit=950)
+    assert decide(smetric(migration=False), req(), c) == ("b", "stick_over_slo")
+
+
+def test_ablation_without_turn_detection_treats_first_turns_as_follow_ups():
+    c = cluster(w("a"), w("b", hit=950, in_flight=2))
+    assert decide(smetric(), req(first=True), c) == ("a", "first_turn_balance")
+    assert decide(smetric(turn_detection=False), req(first=True), c) == ("b", "stick")
+
+
+# ---- the SLO model ------------------------------------------------------------------------
+
+
+def test_slos_are_k_times_the_idle_ttft_or_absolute():
+    slo = SLOModel(PROFILE)
+    assert slo.ttft_slo_s(8000) == pytest.approx(5 * slo.idle_ttft_s(8000))
+    assert slo.idle_ttft_s(8000) == pytest.approx(PROFILE.prefill_time_s(8000), rel=0.01)
+    assert SLOModel(PROFILE, SLOConfig(ttft_slo_ms=250)).ttft_slo_s(8000) == 0.25
+    assert slo.tpot_slo_s == 0.1
+
+
+def test_online_correction_follows_observations_bounded_and_decaying():
+    now = [0.0]
+    slo = SLOModel(PROFILE, clock=lambda: now[0])
+    base = slo.predict_ttft_s("a", 0, 8000, 0)
+    for _ in range(50):
+        slo.observe_ttft("a", slo.predict_ttft_s("a", 0, 8000, 0), 1.5 * base)
+    assert slo.predict_ttft_s("a", 0, 8000, 0) == pytest.approx(1.5 * base, rel=0.02)
+    for _ in range(50):
+        slo.observe_ttft("a", slo.predict_ttft_s("a", 0, 8000, 0), 10 * base)
+    assert slo.correction("a")[0] == 2.0  # bounded
+    now[0] += 60.0
+    assert slo.correction("a")[0] == pytest.approx(1.5)  # half-way back after a half-life
+    assert slo.correction("b") == (1.0, 1.0)
+
+
+def test_predicted_ttft_is_within_ten_percent_of_the_engine_at_moderate_load():
+    # Poisson-ish arrivals of distinct prompts on 4 workers; record each request's prediction at
+    # dispatch (with the engines' real queues) and compare with the TTFT the engine produced.
+    import random
+
+    rng = random.Random(3)
+    slo = SLOModel(PROFILE)
+    predicted: dict[str, float] = {}
+
+    def route(r, state):
+        name = least_loaded(r, state)
+        load = state.load(name)
+        predicted[r.rid] = slo.predict_ttft_s(name, load.queued_prefill_tokens, r.prompt_tokens, 0)
+        return name
+
+    t, reqs = 0.0, []
+    for i in range(300):
+        t += rng.expovariate(12.0)
+        n = rng.randrange(2_000, 12_000)
+        reqs.append(
+            SimRequest(
+                f"r{i}",
+                n,
+                rng.randrange(20, 200),
+                BlockKeys.from_ids(range(i << 20, (i << 20) + n // 16)),
+                16,
+                arrival_s=t,
+            )
+        )
+    res = simulate(reqs, route, PROFILE, workers=4, global_tier=None)
+    errors = [abs(predicted[r.rid] - r.ttft_s) / r.ttft_s for r in res.requests]
+    assert statistics.median(errors) <= 0.10
+    busy = sum(1 for r in res.requests if r.ttft_s > 1.5 * PROFILE.prefill_time_s(r.prompt_tokens))
+    assert busy > 20  # moderate load: a fair share of requests did queue
+
+
+# ---- in the simulator, on real agent sessions ----------------------------------------------
+
+
+def test_in_the_simulator_sessions_stick_first_turns_spread_and_overloads_migrate():
+    from smetric.workload.agents import load_sessions, sim_requests
+
+    sessions = load_sessions(limit=24)
+    reqs = sim_requests(sessions, start_gap_s=0.05)
+    res = simulate(reqs, policy_route(make_policy("smetric")), PROFILE, workers=4)
+    assert not [r for r in res.requests if r.error]
+    assert res.decisions["first_turn_balance"] == 24
+    firsts = [r.worker for r in res.requests if r.rid.endswith("#0")]
+    assert max(firsts.count(x) for x in set(firsts)) <= 24 // 4 + 1  # spread evenly
+    by_session: dict[str, list[str]] = {}
+    for r in sorted(res.requests, key=lambda r: (r.session, int(r.rid.split("#")[1]))):
+        by_session.setdefault(r.session, []).append(r.worker)
+    moves = sum(a != b for ws in by_session.values() for a, b in itertools.pairwise(ws))
+    assert moves == 0 and res.decisions["stick"] == len(reqs) - 24
+    # A tight TTFT SLO (20 ms) makes an instance with prefill queued miss it: those sessions
+    # migrate, and their new instance loads the session from the global tier.
+    tight = PolicyConfig(smetric=SMetricConfig(slo=replace(SLOConfig(), ttft_slo_ms=20)))
+    res = simulate(reqs, policy_route(make_policy("smetric", tight)), PROFILE, workers=4)
+    assert res.decisions["migrate_slo"] > 0
+    loaded = {r.rid for r in res.requests if r.global_cached_tokens > 0}
+    assert any(not rid.endswith("#0") for rid in loaded)  # migrated follow-ups
+    # (First turns on a fresh instance load the shared system prompt from the tier too.)
