@@ -71,7 +71,7 @@ def decide(raw: bytes, index: PrefixIndex, workers: list[Worker], policy) -> int
     return policy.select(view, cluster).worker
 
 
-@pytest.mark.parametrize("policy", ["cache_aware", "least_load", "lmetric"])
+@pytest.mark.parametrize("policy", ["smetric", "cache_aware", "least_load", "lmetric"])
 def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy):
     raw, index, workers = setup
     chosen = benchmark(decide, raw, index, workers, make_policy(policy))

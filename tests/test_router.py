@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -541,3 +542,66 @@ def test_pd_mode_sends_to_a_prefill_and_a_decode_worker_with_bootstrap_fields():
     assert headers["X-SMetric-Worker"].endswith(headers["X-SMetric-Worker"].split(":")[-1])
     assert s2 == 200 and lines[-1] == b"data: [DONE]"
     assert all(n == 0 and q == 0 for _, n, q in loads)
+
+
+# ---- SMetric end to end -------------------------------------------------------------------
+
+
+def test_smetric_on_real_agent_sessions_spreads_first_turns_sticks_and_migrates():
+    from smetric.workload.agents import load_sessions
+
+    sessions = load_sessions(limit=8)
+
+    async def turn(bed: Bed, s, k: int) -> tuple[str, str]:
+        body = {"messages": s.turns[k].messages, "tools": s.tools, "max_tokens": 4}
+        status, _, headers = await bed.post("/v1/chat/completions", body)
+        assert status == 200
+        return headers["X-SMetric-Worker"], headers["X-SMetric-Reason"]
+
+    async def test(bed: Bed):
+        first = [await turn(bed, s, 0) for s in sessions]
+        second = [await turn(bed, s, 1) for s in sessions]
+        # Overload the first session's instance (as if a flood of prefill were queued there):
+        # its next turn would miss the TTFT SLO, so it migrates.
+        home = second[0][0]
+        bed.router.workers[home].queued_prefill_tokens += 2_000_000
+        moved = await turn(bed, sessions[0], 2)
+        bed.router.workers[home].queued_prefill_tokens -= 2_000_000
+        return first, second, home, moved
+
+    first, second, home, moved = run(test, workers=4)
+    assert {r for _, r in first} == {"first_turn_balance"}
+    assert sorted(Counter(w for w, _ in first).values()) == [2, 2, 2, 2]  # spread evenly
+    assert [r for _, r in second] == ["stick"] * 8
+    assert [w for w, _ in second] == [w for w, _ in first]  # each session stayed home
+    assert moved[1] == "migrate_slo" and moved[0] != home
+
+
+def test_smetric_flags_parse_and_validate():
+    c = parse_config(
+        [
+            "--worker-urls",
+            "http://a:1",
+            "--ttft-slo-ms",
+            "300",
+            "--tpot-slo-ms",
+            "80",
+            "--no-global-tier",
+            "--no-migration",
+            "--load-metric",
+            "requests",
+            "--profile",
+            "llama-3.1-8b-h100",
+        ]
+    )
+    assert (c.policy, c.ttft_slo_ms, c.tpot_slo_ms, c.global_tier, c.migration, c.load_metric) == (
+        "smetric",
+        300.0,
+        80.0,
+        False,
+        False,
+        "requests",
+    )
+    for bad in (["--profile", "nope"], ["--ttft-slo-ms", "0"], ["--load-metric", "x"]):
+        with pytest.raises(SystemExit):
+            parse_config(bad)

@@ -45,3 +45,6 @@ class Decision:
     worker: int
     """Index into ``ClusterView.workers``."""
     reason: str
+    predicted_ttft_s: float | None = None
+    """The policy's TTFT prediction for the chosen worker, where it made one (for its online
+    correction: the router reports what it observed through ``observe``)."""

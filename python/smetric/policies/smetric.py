@@ -19,7 +19,9 @@
 * The best-hit instance being unhealthy needs no rule: the snapshot holds eligible instances only,
   so the session's next-best holder, or the least loaded, is chosen among those.
 
-Ties go to the first instance in the snapshot (the order workers were added). Ablations:
+Ties between equally loaded instances go to the one the balancing rule has picked least often
+(so sessions that start one after another on an idle cluster still spread), then to the first in
+the snapshot; ties between equal hits go to the first in the snapshot. Ablations:
 ``slo_gate=False`` always sticks, ``migration=False`` sticks even over the SLO,
 ``turn_detection=False`` treats every request as a follow-up (hit only), and
 ``load_metric="requests"`` balances by request count instead of predicted delay.
@@ -61,18 +63,37 @@ class SMetric:
         self.config = cfg
         self.slo = SLOModel(profile or load_profile(cfg.profile), cfg.slo)
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        # Balancing picks per instance: among equally loaded instances (an idle cluster), the one
+        # picked least often wins, so sessions that start one after another still spread.
+        self._picks: dict[str, int] = {}
 
     # ---- load ----------------------------------------------------------------------------
 
     def _least_loaded(self, cluster: ClusterView, exclude: int = -1) -> int:
         ws = cluster.workers
         idx = [i for i in range(len(ws)) if i != exclude] or [exclude]
+        picks = self._picks
         if self.config.load_metric == "requests":
-            return min(idx, key=lambda i: (ws[i].in_flight, ws[i].queued_prefill_tokens))
-        delay = self.slo.queue_delay_s
-        return min(
-            idx, key=lambda i: (delay(ws[i].url, ws[i].queued_prefill_tokens), ws[i].in_flight)
-        )
+            i = min(
+                idx,
+                key=lambda i: (
+                    ws[i].in_flight,
+                    ws[i].queued_prefill_tokens,
+                    picks.get(ws[i].url, 0),
+                ),
+            )
+        else:
+            delay = self.slo.queue_delay_s
+            i = min(
+                idx,
+                key=lambda i: (
+                    delay(ws[i].url, ws[i].queued_prefill_tokens),
+                    ws[i].in_flight,
+                    picks.get(ws[i].url, 0),
+                ),
+            )
+        picks[ws[i].url] = picks.get(ws[i].url, 0) + 1
+        return i
 
     def _predict(
         self, w: WorkerView, req: RequestView, local_tokens: int, global_tokens: int
@@ -139,16 +160,21 @@ class SMetric:
         ttft, tpot = self._predict(ws[cand], req, local, global_tokens)
         ttft_slo, tpot_slo = self.slo.ttft_slo_s(prompt), self.slo.tpot_slo_s
         if ttft <= ttft_slo and tpot <= tpot_slo:
-            return Decision(cand, "stick")
+            return Decision(cand, "stick", ttft)
         if not self.config.migration or len(ws) == 1:
-            return Decision(cand, "stick_over_slo")
+            return Decision(cand, "stick_over_slo", ttft)
         target = self._least_loaded(cluster, exclude=cand)
         t_local = cluster.local_hit_tokens(target, prompt)
         t_global = max(int(cluster.global_hit_blocks * cluster.block_tokens) - t_local, 0)
         t_ttft, t_tpot = self._predict(ws[target], req, t_local, t_global)
         if t_ttft <= ttft_slo and t_tpot <= tpot_slo:
-            return Decision(target, "migrate_slo")
+            return Decision(target, "migrate_slo", t_ttft)
         # Nobody meets the SLO: the faster of the two (TTFT first, then TPOT).
         if (t_ttft, t_tpot) < (ttft, tpot):
-            return Decision(target, "migrate_over_slo")
-        return Decision(cand, "stick_over_slo")
+            return Decision(target, "migrate_over_slo", t_ttft)
+        return Decision(cand, "stick_over_slo", ttft)
+
+    def observe(self, url: str, decision: Decision, ttft_s: float | None) -> None:
+        """What the chosen worker did: corrects the SLO model's TTFT for that instance."""
+        if ttft_s is not None and decision.predicted_ttft_s is not None:
+            self.slo.observe_ttft(url, decision.predicted_ttft_s, ttft_s)

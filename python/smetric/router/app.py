@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 import aiohttp
 from aiohttp import web
 
-from smetric import PrefixIndex
+from smetric import GLOBAL_TIER, PrefixIndex
 from smetric.cluster import ClusterView, Decision
 from smetric.policies import Policy, PolicyConfig, make_policy
 from smetric.prom import Histogram, render_families
@@ -84,7 +84,11 @@ class Router:
         main = config.prefill_policy if config.pd_disaggregation and config.prefill_policy else None
         self.policy: Policy = make_policy(main or config.policy, pc)
         self.decode_policy: Policy = make_policy(config.decode_policy or "least_load", pc)
-        self.index = PrefixIndex()
+        # The index follows each worker's cache and, with a global tier, what workers write
+        # through to it (every prompt served), with the tier's capacity.
+        self.index = PrefixIndex(
+            global_capacity_blocks=config.global_tier_blocks if config.global_tier else None
+        )
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -391,9 +395,12 @@ class Router:
         worker.requests_total += 1
         worker.queued_prefill_tokens += uncached
         self.prefix_hit_tokens += hit
-        # Predict the cache: the worker will hold this prompt once it has served it.
+        # Predict the cache: the worker will hold this prompt once it has served it (and write it
+        # through to the global tier).
         with contextlib.suppress(KeyError):
             self.index.insert(worker.url, view.key.keys)
+        if self.config.global_tier:
+            self.index.insert(GLOBAL_TIER, view.key.keys)
         return uncached
 
     async def _forward(
@@ -419,7 +426,11 @@ class Router:
                 prefilled = True
                 worker.queued_prefill_tokens -= uncached
                 worker.running_decode_tokens += view.prompt_tokens
-                self.ttft.observe(time.perf_counter() - t0)
+                ttft = time.perf_counter() - t0
+                self.ttft.observe(ttft)
+                observe = getattr(self.policy, "observe", None)
+                if observe is not None and view.stream:
+                    observe(worker.url, decision, ttft)
 
         headers = {
             "Content-Type": request.headers.get("Content-Type", "application/json"),

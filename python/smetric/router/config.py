@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from smetric.perf import DEFAULT_PROFILE, load_profile
 from smetric.policies import POLICIES
 
 log = logging.getLogger("smetric.router")
@@ -30,7 +31,7 @@ class RouterConfig:
     worker_urls: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"
     port: int = 30000
-    policy: str = "cache_aware"
+    policy: str = "smetric"
     prefill_policy: str | None = None
     decode_policy: str | None = None
     cache_threshold: float = 0.3
@@ -70,6 +71,17 @@ class RouterConfig:
         default_factory=lambda: ["x-request-id", "x-correlation-id", "x-trace-id"]
     )
     seed: int = 0
+    profile: str = DEFAULT_PROFILE
+    ttft_slo_scale: float = 5.0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float = 100.0
+    global_tier: bool = True
+    slo_gate: bool = True
+    migration: bool = True
+    turn_detection: bool = True
+    load_metric: str = "delay"
+    global_tier_blocks: int = 4_000_000
+    """Capacity of the modelled global tier, in 64-byte text blocks (~75 M tokens)."""
 
     @property
     def max_attempts(self) -> int:
@@ -191,7 +203,12 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=30000)
     p.add_argument("--worker-urls", nargs="*", type=_url, default=[])
     names = sorted({*POLICIES, *SGLANG_POLICY_ALIASES})
-    p.add_argument("--policy", choices=names, default="cache_aware")
+    p.add_argument(
+        "--policy",
+        choices=names,
+        default="smetric",
+        help="routing policy (default smetric; sglang-router's default is cache_aware)",
+    )
     p.add_argument("--prefill-policy", choices=names, default=None)
     p.add_argument("--decode-policy", choices=names, default=None)
     p.add_argument("--cache-threshold", type=nonneg_f, default=0.3)
@@ -240,6 +257,42 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
         help="do not name the chosen worker and reason in response headers",
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the random policies")
+    g.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help="performance profile of the workers for the SLO model: a preset or a "
+        "profile JSON file",
+    )
+    g.add_argument(
+        "--ttft-slo-scale",
+        type=pos_f,
+        default=5.0,
+        help="TTFT SLO = this x the request's TTFT on an idle instance (default 5)",
+    )
+    g.add_argument("--ttft-slo-ms", type=pos_f, default=None, help="an absolute TTFT SLO")
+    g.add_argument("--tpot-slo-ms", type=pos_f, default=100.0, help="TPOT SLO (default 100)")
+    g.add_argument(
+        "--no-global-tier",
+        action="store_true",
+        help="the workers share no global KV tier (a migration recomputes)",
+    )
+    g.add_argument("--no-slo-gate", action="store_true", help="ablation: follow-ups always stick")
+    g.add_argument(
+        "--no-migration",
+        action="store_true",
+        help="ablation: stick even when the SLO would be missed",
+    )
+    g.add_argument(
+        "--no-turn-detection",
+        action="store_true",
+        help="ablation: every request is a follow-up (hit only)",
+    )
+    g.add_argument(
+        "--load-metric",
+        choices=["delay", "requests"],
+        default="delay",
+        help="how SMetric measures load (ablation: requests)",
+    )
     for flag, nargs in IGNORED_FLAGS.items():
         kw: dict[str, object] = {"help": argparse.SUPPRESS, "default": None}
         if nargs == 0:
@@ -284,7 +337,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "smetric serve") -> 
         worker_urls=list(args.worker_urls),
         host=args.host,
         port=args.port,
-        policy=_policy(args.policy) or "cache_aware",
+        policy=_policy(args.policy) or "smetric",
         prefill_policy=_policy(args.prefill_policy),
         decode_policy=_policy(args.decode_policy),
         cache_threshold=args.cache_threshold,
@@ -320,7 +373,20 @@ def parse_config(argv: list[str] | None = None, prog: str = "smetric serve") -> 
         log_level=args.log_level,
         decision_header=not args.no_decision_header,
         seed=args.seed,
+        profile=args.profile,
+        ttft_slo_scale=args.ttft_slo_scale,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+        global_tier=not args.no_global_tier,
+        slo_gate=not args.no_slo_gate,
+        migration=not args.no_migration,
+        turn_detection=not args.no_turn_detection,
+        load_metric=args.load_metric,
     )
+    try:
+        load_profile(config.profile)
+    except ValueError as e:
+        parser.error(f"--profile: {e}")
     if args.request_id_headers:
         config.request_id_headers = [h.lower() for h in args.request_id_headers]
     return config

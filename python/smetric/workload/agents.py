@@ -87,7 +87,11 @@ def sim_requests(
             rid = f"{s.session_id}#{k}"
             out.append(
                 SimRequest(
-                    rid, key.prompt_tokens, output_tokens(turn), key.keys, key.block_tokens,
+                    rid,
+                    key.prompt_tokens,
+                    output_tokens(turn),
+                    key.keys,
+                    key.block_tokens,
                     arrival_s=i * start_gap_s if prev is None else None,
                     after=prev,
                     delay_s=0.0 if prev is None else (turn.tool_time_s or think_s),
