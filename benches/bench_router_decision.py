@@ -77,3 +77,30 @@ def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy):
     chosen = benchmark(decide, raw, index, workers, make_policy(policy))
     if policy == "cache_aware":
         assert chosen == 17  # the worker holding the session
+
+
+@pytest.fixture(scope="module")
+def snapshot():
+    raw, index, workers = build()
+    view = view_request("chat", loads(raw))
+    match = index.match(view.key.keys, touch=False)
+    hits = dict(zip(index.instances(), match.blocks, strict=True))
+    for i, w in enumerate(workers):  # some load, so the delay and SLO arithmetic is exercised
+        w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens = i % 7, 997 * i, 5000 * i
+    cluster = ClusterView(
+        tuple(w.view(hits.get(w.url, 0)) for w in workers),
+        match.global_blocks,
+        len(view.key.keys),
+        view.key.block_tokens,
+    )
+    return view, cluster
+
+
+@pytest.mark.parametrize("policy", ["least_load", "smetric"])
+def test_policy_select_alone_64_workers(benchmark, snapshot, policy):
+    """The policy's own cost on one snapshot (SMetric's target: <= 20 us over least_load)."""
+    view, cluster = snapshot
+    p = make_policy(policy)
+    d = benchmark(p.select, view, cluster)
+    if policy == "smetric":
+        assert d.reason == "stick" and cluster.workers[d.worker].url.endswith(".17:30000")
