@@ -66,10 +66,11 @@ def run(
     test: Callable[[Bed], Awaitable[Any]],
     workers: int = 2,
     pd: tuple[int, int] | None = None,
+    time_scale: float = FAST,
     **config: Any,
 ) -> Any:
     async def main() -> Any:
-        cluster = EmulatedCluster(PROFILE, workers=workers, time_scale=FAST, pd=pd)
+        cluster = EmulatedCluster(PROFILE, workers=workers, time_scale=time_scale, pd=pd)
         urls = await cluster.start()
         if pd:
             config.setdefault("pd_disaggregation", True)

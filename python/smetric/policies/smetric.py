@@ -147,12 +147,16 @@ class SMetric:
             first = session_blocks / q < FOLLOW_UP_HIT_FRACTION
 
         if first:
-            return Decision(self._least_loaded(cluster), "first_turn_balance")
+            return self._with_prediction(
+                req, cluster, self._least_loaded(cluster), "first_turn_balance"
+            )
         cand = home if home is not None else best
         if home is None and session_blocks == 0:
-            return Decision(self._least_loaded(cluster), "follow_up_no_hit_balance")
+            return self._with_prediction(
+                req, cluster, self._least_loaded(cluster), "follow_up_no_hit_balance"
+            )
         if not self.config.slo_gate:
-            return Decision(cand, "stick")
+            return self._with_prediction(req, cluster, cand, "stick")
 
         prompt = req.prompt_tokens
         local = cluster.local_hit_tokens(cand, prompt)
@@ -173,6 +177,19 @@ class SMetric:
         if (t_ttft, t_tpot) < (ttft, tpot):
             return Decision(target, "migrate_over_slo", t_ttft)
         return Decision(cand, "stick_over_slo", ttft)
+
+    def _with_prediction(
+        self, req: RequestView, cluster: ClusterView, i: int, reason: str
+    ) -> Decision:
+        """A decision made without the SLO model still carries its TTFT prediction, so every
+        response can correct the model."""
+        local = cluster.local_hit_tokens(i, req.prompt_tokens)
+        glob = max(int(cluster.global_hit_blocks * cluster.block_tokens) - local, 0)
+        w = cluster.workers[i]
+        ttft = self.slo.predict_ttft_s(
+            w.url, w.queued_prefill_tokens, req.prompt_tokens, local, glob
+        )
+        return Decision(i, reason, ttft)
 
     def observe(self, url: str, decision: Decision, ttft_s: float | None) -> None:
         """What the chosen worker did: corrects the SLO model's TTFT for that instance."""
