@@ -10,7 +10,6 @@ import pytest
 
 from smetric import hash_text
 from smetric.cli import main
-from smetric.demo import replay
 from smetric.request import chat_prompt_text
 from smetric.workload.agents import load_sessions
 
@@ -80,28 +79,34 @@ def test_loader_reads_a_file_and_rejects_lines_that_are_not_sessions(tmp_path):
         load_sessions(bad)
 
 
-def test_demo_shows_the_trade_off_on_real_sessions():
-    sessions = load_sessions(limit=12)
-    rr = replay(sessions, "round_robin")
-    affinity = replay(sessions, "cache_affinity")
-    balanced = replay(sessions, "session_balance")
-    assert rr.prompt_blocks == affinity.prompt_blocks == balanced.prompt_blocks
-    # Affinity wins on local hits but piles every session onto the instance holding the prompt.
-    assert affinity.local_blocks > rr.local_blocks
-    assert max(affinity.requests) == sum(affinity.requests)
-    # Session balancing keeps nearly all of affinity's local hits with the load spread.
-    assert balanced.local_blocks > rr.local_blocks
-    assert max(balanced.requests) < sum(balanced.requests) / 2
-    assert max(rr.requests) - min(rr.requests) <= 1
+def test_demo_replays_real_sessions_through_the_router_for_each_policy():
+    import asyncio
+
+    from smetric.demo import _main
+
+    rows = asyncio.run(_main(["smetric", "cache_aware"], 2, "qwen3-30b-a3b-h20", 20.0, 0.5, 4))
+    turns = sum(len(s.turns) for s in load_sessions(limit=4))
+    assert [r["policy"] for r in rows] == ["smetric", "cache_aware"]
+    for r in rows:
+        assert r["requests"] == turns and r["errors"] == 0
+        assert 0.5 < r["cached"] < 1.0  # follow-ups reuse their prefix
+    reasons = rows[0]["reasons"]
+    assert reasons["first_turn_balance"] == 4 and reasons["stick"] == turns - 4
+    assert rows[0]["spread"] != f"0-{turns}"  # SMetric used both workers
+    assert set(rows[1]["reasons"]) <= {"cache_hit", "cache_miss_balance", "imbalance_balance"}
 
 
 def test_cli_demo_runs_and_rejects_bad_flags(capsys):
-    assert main(["demo", "--instances", "2"]) == 0
+    assert main(["demo", "--sessions", "2", "--policies", "smetric", "--time-scale", "20"]) == 0
     out = capsys.readouterr().out
-    for name in ("round_robin", "cache_affinity", "session_balance"):
-        assert name in out
-    with pytest.raises(SystemExit) as e:
-        main(["demo", "--instances", "0"])
-    assert e.value.code == 2
-    with pytest.raises(SystemExit):
-        main(["demo", "--bogus"])
+    assert "smetric" in out and "SLO met" in out
+    for bad in (
+        ["demo", "--workers", "0"],
+        ["demo", "--policies", "fastest"],
+        ["demo", "--sessions", "99"],
+        ["demo", "--profile", "nope"],
+        ["demo", "--bogus"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2

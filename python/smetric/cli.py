@@ -24,9 +24,20 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "serve", help="run the router (sglang_router.launch_router's flags)", add_help=False
     )
-    demo = sub.add_parser("demo", help="replay bundled real agent sessions through the index")
-    demo.add_argument("--instances", type=int, default=4)
-    demo.add_argument("--capacity-blocks", type=int, default=4096)
+    demo = sub.add_parser(
+        "demo",
+        help="the router in front of an emulated cluster, on bundled real agent sessions",
+    )
+    demo.add_argument("--workers", type=int, default=4)
+    demo.add_argument(
+        "--policies",
+        nargs="+",
+        default=None,
+        help="policies to compare (default: smetric lmetric cache_aware)",
+    )
+    demo.add_argument("--profile", default="qwen3-30b-a3b-h20")
+    demo.add_argument("--time-scale", type=float, default=4.0)
+    demo.add_argument("--sessions", type=int, default=24)
     emulate = sub.add_parser(
         "emulate",
         help="run emulated SGLang workers (engine model behind SGLang's HTTP API)",
@@ -76,11 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "emulate":
         return _emulate(parser, args)
     if args.command == "demo":
+        from smetric.demo import DEFAULT_POLICIES
         from smetric.demo import main as demo_main
+        from smetric.policies import POLICIES
 
-        if args.instances < 1 or args.capacity_blocks < 0:
-            parser.error("--instances must be >= 1 and --capacity-blocks >= 0")
-        return demo_main(args.instances, args.capacity_blocks)
+        policies = args.policies or list(DEFAULT_POLICIES)
+        if args.workers < 1 or args.time_scale <= 0 or not 1 <= args.sessions <= 24:
+            parser.error("--workers >= 1, --time-scale > 0, --sessions in 1..24")
+        if unknown := [p for p in policies if p not in POLICIES]:
+            parser.error(f"unknown policies: {', '.join(unknown)}")
+        try:
+            load_profile(args.profile)
+        except ValueError as e:
+            parser.error(str(e))
+        return demo_main(
+            policies, args.workers, args.profile, args.time_scale, sessions=args.sessions
+        )
     return 2
 
 

@@ -1,130 +1,168 @@
-"""``smetric demo``: the bundled real agent sessions, keyed and matched by the prefix index.
+"""``smetric demo``: the router in front of an emulated SGLang cluster, on real agent sessions.
 
-Replays the sessions' turns (all sessions in flight at once, turn by turn) onto a small cluster
-of instances sharing a global KV tier, under three placements, and reports where each prompt's
-blocks were found: in the chosen instance's cache (local), in the global tier, or nowhere
-(recomputed), with how evenly requests spread. It shows the trade-off SMetric resolves; the
-router with its policies and an emulated cluster come with the router and engine work.
+Starts 4 emulated workers (time-scaled; no GPU needed) sharing a global KV tier, then, for each
+policy in turn, a fresh router in front of them and a fresh cache, replays the bundled slice of
+real tau-bench agent sessions (streaming chat with tools, each turn after the previous answer plus
+its think time), and prints the policies side by side. Everything runs in this one process and
+stops with it.
 """
 
 from __future__ import annotations
 
-import statistics
+import asyncio
+import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
-from smetric import GLOBAL_TIER, Match, PrefixIndex, hash_text
-from smetric.request import chat_prompt_text
+from aiohttp import web
+
+from smetric import GLOBAL_TIER
+from smetric.emulator import EmulatedCluster
+from smetric.perf import load_profile
+from smetric.router import Router, RouterConfig
+from smetric.slo import SLOModel
 from smetric.workload.agents import Session, load_sessions
+from smetric.workload.replay import TurnResult, replay_sessions
 
-# Chooses an instance position from the match, requests per instance, and first-turn-ness.
-Placement = Callable[[Match, Sequence[int], bool], int]
-
-
-def _least_requests(requests: Sequence[int]) -> int:
-    return min(range(len(requests)), key=lambda i: requests[i])
+DEFAULT_POLICIES = ("smetric", "lmetric", "cache_aware")
 
 
-def round_robin() -> Placement:
-    counter = iter(range(1 << 62))
-    return lambda match, requests, first: next(counter) % len(requests)
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
 
 
-def cache_affinity() -> Placement:
-    """Most local hit; fewest requests on ties."""
-    return lambda match, requests, first: max(
-        range(len(requests)), key=lambda i: (match.blocks[i], -requests[i])
+def summarize(
+    policy: str, results: list[TurnResult], slo: SLOModel, wall_s: float, workers: Sequence[str]
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft_s for r in ok]
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    prompt = sum(r.prompt_tokens for r in ok) or 1
+    met = sum(
+        1
+        for r in ok
+        if r.ttft_s <= slo.ttft_slo_s(r.prompt_tokens) and (r.tpot_s or 0.0) <= slo.tpot_slo_s
     )
+    per_worker = Counter({w: 0 for w in workers})
+    per_worker.update(r.worker for r in ok if r.worker)
+    reasons = Counter(r.reason for r in ok)
+    return {
+        "policy": policy,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "ttft_p50_ms": 1e3 * _pct(ttft, 0.5),
+        "reasons": dict(reasons),
+        "ttft_p90_ms": 1e3 * _pct(ttft, 0.9),
+        "tpot_p90_ms": 1e3 * _pct(tpot, 0.9),
+        "slo_attainment": met / max(len(ok), 1),
+        "cached": sum(r.cached_tokens for r in ok) / prompt,
+        "spread": f"{min(per_worker.values(), default=0)}-{max(per_worker.values(), default=0)}",
+        "migrations": reasons.get("migrate_slo", 0) + reasons.get("migrate_over_slo", 0),
+        "wall_s": wall_s,
+    }
 
 
-def session_balance() -> Placement:
-    """First turns to the least loaded instance, follow-ups to the best local hit."""
-
-    def place(match: Match, requests: Sequence[int], first: bool) -> int:
-        if first:
-            return _least_requests(requests)
-        return cache_affinity()(match, requests, first)
-
-    return place
-
-
-PLACEMENTS: dict[str, Callable[[], Placement]] = {
-    "round_robin": round_robin,
-    "cache_affinity": cache_affinity,
-    "session_balance": session_balance,
-}
-
-
-@dataclass
-class Result:
-    placement: str
-    prompt_blocks: int = 0
-    local_blocks: int = 0
-    global_blocks: int = 0
-    requests: list[int] = field(default_factory=list)
-    keying_us: list[float] = field(default_factory=list)
-    match_us: list[float] = field(default_factory=list)
-
-    def share(self, blocks: int) -> float:
-        return 100.0 * blocks / max(self.prompt_blocks, 1)
-
-
-def replay(
-    sessions: Sequence[Session],
-    placement: str,
-    instances: int = 4,
-    capacity_blocks: int = 4096,
-    global_capacity_blocks: int = 1 << 20,
-) -> Result:
-    index = PrefixIndex(global_capacity_blocks=global_capacity_blocks)
-    names = [f"w{i}" for i in range(instances)]
-    for name in names:
-        index.add_instance(name, capacity_blocks)
-    place = PLACEMENTS[placement]()
-    result = Result(placement, requests=[0] * instances)
-    for turn in range(max(len(s.turns) for s in sessions)):
-        for s in sessions:
-            if turn >= len(s.turns):
-                continue
-            t0 = time.perf_counter()
-            keys = hash_text(chat_prompt_text(s.turns[turn].messages, s.tools))
-            t1 = time.perf_counter()
-            match = index.match(keys, touch=False)
-            t2 = time.perf_counter()
-            result.keying_us.append((t1 - t0) * 1e6)
-            result.match_us.append((t2 - t1) * 1e6)
-            chosen = place(match, result.requests, turn == 0)
-            local = match.blocks[chosen]
-            result.prompt_blocks += len(keys)
-            result.local_blocks += local
-            result.global_blocks += max(match.global_blocks - local, 0)
-            result.requests[chosen] += 1
-            index.insert(names[chosen], keys)
-            index.insert(GLOBAL_TIER, keys)  # write-through, as HiCache + Mooncake do
-    return result
-
-
-def main(instances: int = 4, capacity_blocks: int = 4096) -> int:
-    sessions = load_sessions()
-    turns = sum(len(s.turns) for s in sessions)
-    print(
-        f"{len(sessions)} real agent sessions (tau-bench airline), {turns} requests, "
-        f"{instances} instances of {capacity_blocks} blocks (64 B text blocks) + a global tier\n"
+async def run_policy(
+    cluster: EmulatedCluster,
+    policy: str,
+    sessions: list[Session],
+    profile_name: str,
+    start_gap_s: float,
+    time_scale: float,
+) -> tuple[list[TurnResult], float]:
+    for w in cluster.workers:
+        w.engine.flush_cache()
+    if cluster.cluster.global_tier is not None:
+        cluster.cluster.index.clear(GLOBAL_TIER)
+    config = RouterConfig(
+        worker_urls=list(cluster.urls),
+        policy=policy,
+        profile=profile_name,
+        port=0,
+        health_check_interval_secs=5.0,
     )
-    header = (
-        f"{'placement':<16} {'local hit':>9} {'global hit':>10} {'recomputed':>10} "
-        f"{'requests/instance':>18} {'serialize+hash µs':>17} {'match µs':>8}  (medians)"
-    )
-    print(header)
-    print("-" * len(header))
-    for name in PLACEMENTS:
-        r = replay(sessions, name, instances, capacity_blocks)
-        recomputed = r.prompt_blocks - r.local_blocks - r.global_blocks
-        spread = f"{min(r.requests)}-{max(r.requests)}"
-        print(
-            f"{name:<16} {r.share(r.local_blocks):>8.1f}% {r.share(r.global_blocks):>9.1f}% "
-            f"{r.share(recomputed):>9.1f}% {spread:>18} "
-            f"{statistics.median(r.keying_us):>17.1f} {statistics.median(r.match_us):>8.1f}"
+    router = Router(config)
+    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[-1][1]}"
+    t0 = time.perf_counter()
+    try:
+        results = await replay_sessions(
+            url, sessions, start_gap_s=start_gap_s, time_scale=time_scale
         )
-    return 0
+    finally:
+        await runner.cleanup()
+    return results, time.perf_counter() - t0
+
+
+async def _main(
+    policies: Sequence[str],
+    workers: int,
+    profile_name: str,
+    time_scale: float,
+    start_gap_s: float,
+    sessions: int,
+) -> list[dict[str, Any]]:
+    profile = load_profile(profile_name)
+    data = load_sessions(limit=sessions)
+    turns = sum(len(s.turns) for s in data)
+    cluster = EmulatedCluster(profile, workers=workers, time_scale=time_scale)
+    await cluster.start()
+    slo = SLOModel(profile)
+    rows = []
+    print(
+        f"{len(data)} real agent sessions (tau-bench airline, bundled), {turns} chat requests;"
+        f" {workers} emulated workers ({profile.name}, x{time_scale:g} time), global KV tier",
+        flush=True,
+    )
+    try:
+        for policy in policies:
+            print(f"  replaying through the router with --policy {policy} ...", end="", flush=True)
+            results, wall = await run_policy(
+                cluster, policy, data, profile_name, start_gap_s, time_scale
+            )
+            rows.append(summarize(policy, results, slo, wall, cluster.urls))
+            print(f" {wall:.1f} s", flush=True)
+    finally:
+        await cluster.stop()
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (
+        f"\n{'policy':<12} {'TTFT p50':>9} {'TTFT p90':>9} {'TPOT p90':>9} {'SLO met':>8} "
+        f"{'cached':>7} {'req/worker':>11} {'migrations':>11} {'errors':>7}"
+    )
+    print(head)
+    print("-" * (len(head) - 1))
+    for r in rows:
+        print(
+            f"{r['policy']:<12} {r['ttft_p50_ms']:>7.0f}ms {r['ttft_p90_ms']:>7.0f}ms "
+            f"{r['tpot_p90_ms']:>7.1f}ms {r['slo_attainment']:>7.1%} {r['cached']:>6.1%} "
+            f"{r['spread']:>11} {r['migrations']:>11} {r['errors']:>7}"
+        )
+    print(
+        "\nLatencies in the emulated model's seconds. SLO met: TTFT <= 5x the request's idle TTFT"
+        " and TPOT <= 100 ms."
+    )
+
+
+def main(
+    policies: Sequence[str] = DEFAULT_POLICIES,
+    workers: int = 4,
+    profile: str = "qwen3-30b-a3b-h20",
+    time_scale: float = 4.0,
+    start_gap_s: float = 0.5,
+    sessions: int = 24,
+) -> int:
+    rows = asyncio.run(_main(policies, workers, profile, time_scale, start_gap_s, sessions))
+    print_table(rows)
+    return 0 if all(r["errors"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -47,7 +47,8 @@ class SimRequest:
     delay_s: float = 0.0
     """Think / tool time between ``after`` finishing and this request arriving."""
     session: str | None = None
-    is_first_turn: bool = True
+    is_first_turn: bool | None = None
+    """None where the trace cannot tell (raw prompts): policies then judge from the hit."""
 
 
 @dataclass(frozen=True)
