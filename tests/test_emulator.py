@@ -77,7 +77,7 @@ def check_shape(obj: dict, spec: dict[str, str]) -> None:
 
 def test_single_request_ttft_and_tpot_follow_the_profile_in_real_time():
     # A long prompt (two prefill chunks) keeps the HTTP round trip well inside the 2% margin.
-    prompt, out = text(16000), 40
+    prompt, out = text(16000), 60
     tokens = key_text(prompt).prompt_tokens
 
     async def test(cluster, session):
@@ -90,8 +90,10 @@ def test_single_request_ttft_and_tpot_follow_the_profile_in_real_time():
     sent, times, chunks = run(test)
     assert len(chunks) == out and chunks[-1]["meta_info"]["prompt_tokens"] == tokens
     ttft = times[0] - sent
-    tpot = (times[-1] - times[0]) / (out - 1)
-    want_tpot = statistics.mean(PROFILE.decode_step_s(1, tokens + i) for i in range(1, out))
+    # Paced from the second token on: a late first delivery (the event loop busy elsewhere) is
+    # caught up by the next, so the first gap says nothing about the decode pace.
+    tpot = (times[-1] - times[1]) / (out - 2)
+    want_tpot = statistics.mean(PROFILE.decode_step_s(1, tokens + i) for i in range(2, out))
     chunks = PROFILE.prefill_time_s(8192) + PROFILE.prefill_time_s(tokens - 8192, 8192)
     assert ttft == pytest.approx(chunks, rel=0.02)
     assert tpot == pytest.approx(want_tpot, rel=0.02)
