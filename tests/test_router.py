@@ -606,3 +606,214 @@ def test_smetric_flags_parse_and_validate():
     for bad in (["--profile", "nope"], ["--ttft-slo-ms", "0"], ["--load-metric", "x"]):
         with pytest.raises(SystemExit):
             parse_config(bad)
+
+
+# ---- regressions from review ----------------------------------------------------------------
+
+
+def test_smetric_flags_reach_the_policy():
+    c = parse_config(
+        [
+            "--profile",
+            "qwen3-30b-a3b-h20",
+            "--no-slo-gate",
+            "--load-metric",
+            "requests",
+            "--ttft-slo-ms",
+            "300",
+            "--no-global-tier",
+        ]
+    )
+    policy = Router(c).policy
+    assert policy.config.profile == "qwen3-30b-a3b-h20"
+    assert (policy.config.slo_gate, policy.config.load_metric) == (False, "requests")
+    assert policy.slo.config.ttft_slo_ms == 300 and policy.slo.config.global_tier is False
+    assert Router(c).index.has_global_tier is False
+
+
+def test_bootstrap_rooms_differ_across_routers():
+    a, b = Router(RouterConfig()), Router(RouterConfig())
+    assert a._rooms.getrandbits(63) != b._rooms.getrandbits(63)
+
+
+class FlakyLoads(CaptureWorker):
+    """Reports a malformed load first, then a real one; answers 500 to generation if told."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.loads: bytes = b'{"loads": [{"num_running_reqs": null, "num_waiting_reqs": "x"}]}'
+        self.fail = fail
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.Response:
+            await request.read()
+            if self.fail:
+                return web.json_response({"error": {"message": "boom"}}, status=500)
+            return web.json_response({"text": "ok", "meta_info": {"id": "x"}})
+
+        async def info(request: web.Request) -> web.Response:
+            return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
+
+        async def loads(request: web.Request) -> web.Response:
+            return web.Response(body=self.loads, content_type="application/json")
+
+        app.router.add_post("/generate", generate)
+        for path in ("/health", "/server_info", "/model_info"):
+            app.router.add_get(path, info)
+        app.router.add_get("/v1/loads", loads)
+        return app
+
+
+async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[-1][1]}"
+
+
+def test_a_malformed_load_report_does_not_stop_load_polling():
+    async def main():
+        worker = FlakyLoads()
+        runner, url = await serve_app(worker.app())
+        router, rrunner, _ = await start_router(
+            RouterConfig(worker_urls=[url], load_poll_interval_secs=0.05)
+        )
+        try:
+            await asyncio.sleep(0.2)
+            before = router.workers[url].polled_running
+            worker.loads = b'{"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 2}]}'
+            await asyncio.sleep(0.2)
+            w = router.workers[url]
+            return before, (w.polled_running, w.polled_waiting)
+        finally:
+            await rrunner.cleanup()
+            await runner.cleanup()
+
+    before, after = asyncio.run(main())
+    assert before == 0 and after == (3, 2)
+
+
+def test_retries_neither_double_count_hits_nor_credit_the_failing_worker():
+    async def main():
+        bad, good = FlakyLoads(fail=True), FlakyLoads()
+        bad_runner, bad_url = await serve_app(bad.app())
+        good_runner, good_url = await serve_app(good.app())
+        router, rrunner, base = await start_router(
+            RouterConfig(
+                worker_urls=[bad_url, good_url], policy="round_robin", retry_initial_backoff_ms=1
+            )
+        )
+        try:
+            async with aiohttp.ClientSession() as s:
+                for _ in range(4):
+                    async with s.post(base + "/generate", json=GEN) as r:
+                        assert r.status == 200
+            held = {u: v["blocks"] for u, v in router.index.stats()["instances"].items()}
+            return router.retries, router.prefix_hit_tokens, router.prompt_tokens, held, bad_url
+        finally:
+            await rrunner.cleanup()
+            await bad_runner.cleanup()
+            await good_runner.cleanup()
+
+    retries, hits, prompt, held, bad_url = asyncio.run(main())
+    assert retries >= 1 and hits <= prompt
+    assert held[bad_url] == 0  # the failing worker is not predicted to hold anything
+
+
+def test_without_handler_cancellation_a_client_leaving_is_no_worker_failure():
+    async def main():
+        cluster = EmulatedCluster(PROFILE, workers=2, time_scale=FAST)
+        urls = await cluster.start()
+        router = Router(RouterConfig(worker_urls=urls))
+        runner = web.AppRunner(router.app())  # aiohttp's default: handlers not cancelled
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        base = f"http://127.0.0.1:{runner.addresses[-1][1]}"
+        try:
+            body = {**GEN, "stream": True, "sampling_params": {"max_new_tokens": 3000}}
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + "/generate", json=body) as r:
+                    await r.content.readline()
+                    r.close()
+            await asyncio.sleep(1.0)
+            return router.retries, [w.errors_total for w in router.workers.values()]
+        finally:
+            await runner.cleanup()
+            await cluster.stop()
+
+    retries, errors = asyncio.run(main())
+    assert retries == 0 and errors == [0, 0]
+
+
+def test_pd_prefill_failure_fails_fast_and_spares_the_decode_worker():
+    async def main():
+        prefill = FlakyLoads(fail=True)
+        p_runner, p_url = await serve_app(prefill.app())
+        cluster = EmulatedCluster(PROFILE, workers=0, pd=(0, 1), time_scale=FAST, pd_timeout_s=5.0)
+        (d_url,) = await cluster.start()
+        router, rrunner, base = await start_router(
+            RouterConfig(
+                pd_disaggregation=True,
+                prefill=[(p_url, 8998)],
+                decode=[d_url],
+                cb_failure_threshold=1,
+            )
+        )
+        try:
+            async with aiohttp.ClientSession() as s:
+                t0 = asyncio.get_running_loop().time()
+                async with s.post(base + "/generate", json=GEN) as r:
+                    status = r.status
+                waited = asyncio.get_running_loop().time() - t0
+            return status, waited, router.workers[d_url].errors_total
+        finally:
+            await rrunner.cleanup()
+            await cluster.stop()
+            await p_runner.cleanup()
+
+    status, waited, decode_errors = asyncio.run(main())
+    assert status == 502 and waited < 2.0 and decode_errors == 0
+
+
+def test_compressed_worker_replies_reach_the_client_decodable():
+    async def main():
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.Response:
+            await request.read()
+            resp = web.json_response({"text": "x" * 2000, "meta_info": {"id": "z"}})
+            resp.enable_compression()
+            return resp
+
+        async def info(request: web.Request) -> web.Response:
+            return web.json_response({"max_total_num_tokens": 100_000})
+
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/health", info)
+        app.router.add_get("/server_info", info)
+        runner, url = await serve_app(app)
+        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(base + "/generate", json={"text": "a"}) as r:
+                    return (await r.json())["text"]
+        finally:
+            await rrunner.cleanup()
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == "x" * 2000
+
+
+def test_a_content_part_with_null_or_numeric_text_is_a_400():
+    async def test(bed: Bed):
+        out = []
+        for text in (None, 5):
+            body = {"messages": [{"role": "user", "content": [{"type": "text", "text": text}]}]}
+            status, data, _ = await bed.post("/v1/chat/completions", body)
+            out.append((status, data))
+        return out
+
+    for status, data in run(test):
+        assert status == 400 and data["error"]["code"] == 400

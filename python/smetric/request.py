@@ -48,9 +48,18 @@ def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            part.get("text", "") if isinstance(part, Mapping) else str(part) for part in content
-        )
+        texts = []
+        for part in content:
+            if isinstance(part, Mapping):
+                if part.get("type", "text") != "text":
+                    continue  # images, audio: not keyed
+                text = part.get("text")
+            else:
+                text = part
+            if not isinstance(text, str):
+                raise BadRequest("a text content part needs a string 'text'")
+            texts.append(text)
+        return "".join(texts)
     return _compact_json(content)
 
 

@@ -24,7 +24,7 @@ from aiohttp import web
 
 from smetric import GLOBAL_TIER, PrefixIndex
 from smetric.cluster import ClusterView, Decision
-from smetric.policies import Policy, PolicyConfig, make_policy
+from smetric.policies import Policy, PolicyConfig, SMetricConfig, make_policy
 from smetric.prom import Histogram, render_families
 from smetric.request import (
     BYTES_PER_TOKEN,
@@ -36,6 +36,7 @@ from smetric.request import (
 )
 from smetric.router.config import RouterConfig
 from smetric.router.workers import Worker
+from smetric.slo import SLOConfig
 
 log = logging.getLogger("smetric.router")
 
@@ -75,11 +76,25 @@ def error_json(status: int, message: str, kind: str | None = None) -> web.Respon
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        slo = SLOConfig(
+            ttft_slo_scale=config.ttft_slo_scale,
+            ttft_slo_ms=config.ttft_slo_ms,
+            tpot_slo_ms=config.tpot_slo_ms,
+            global_tier=config.global_tier,
+        )
         pc = PolicyConfig(
             config.cache_threshold,
             config.balance_abs_threshold,
             config.balance_rel_threshold,
             config.seed,
+            SMetricConfig(
+                config.profile,
+                slo,
+                config.slo_gate,
+                config.migration,
+                config.turn_detection,
+                config.load_metric,
+            ),
         )
         main = config.prefill_policy if config.pd_disaggregation and config.prefill_policy else None
         self.policy: Policy = make_policy(main or config.policy, pc)
@@ -92,7 +107,7 @@ class Router:
         self.workers: dict[str, Worker] = {}
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._rng = random.Random(config.seed)
+        self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
         self._load_paths: dict[str, str] = {}
         # Metrics.
         self.requests = Counter[tuple[str, int]]()
@@ -231,7 +246,14 @@ class Router:
         tokens = info.get("max_total_num_tokens")
         worker.max_total_tokens = tokens if isinstance(tokens, int) and tokens > 0 else None
         worker.model = model.get("model_path") if isinstance(model.get("model_path"), str) else None
+        emulated = info.get("emulator")
+        if isinstance(emulated, dict) and isinstance(emulated.get("time_scale"), int | float):
+            worker.time_scale = max(float(emulated["time_scale"]), 1e-6)
+        if not healthy and self.config.disable_health_check:
+            worker.healthy = True  # nothing would ever bring it in: let the breaker judge it
         blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
+        if url in self.workers:  # registered by a concurrent call while this one waited
+            raise BadRequest(f"worker {url} is already registered")
         self.index.add_instance(url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size))
         self.workers[url] = worker
         log.info("worker added url=%s role=%s healthy=%s", url, role, healthy)
@@ -249,9 +271,11 @@ class Router:
         while True:
             await asyncio.sleep(c.health_check_interval_secs)
             workers = list(self.workers.values())
-            results = await asyncio.gather(*(self._probe(w.url) for w in workers))
+            results = await asyncio.gather(
+                *(self._probe(w.url) for w in workers), return_exceptions=True
+            )
             for w, ok in zip(workers, results, strict=True):
-                if ok:
+                if ok is True:
                     w.health_failures, w.health_successes = 0, w.health_successes + 1
                     if not w.healthy and w.health_successes >= c.health_success_threshold:
                         w.healthy = True
@@ -274,21 +298,33 @@ class Router:
             return
         if status != 200:
             return
-        if path == "/v1/loads" and isinstance(body, dict) and body.get("loads"):
-            loads = body["loads"]
-            w.polled_running = sum(int(x.get("num_running_reqs", 0)) for x in loads)
-            w.polled_waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in loads)
-            w.token_usage = max(float(x.get("token_usage", 0.0)) for x in loads)
-        elif isinstance(body, list) and body:
-            w.polled_running = sum(int(x.get("num_reqs", 0)) for x in body)
-            w.polled_waiting = sum(int(x.get("num_waiting_reqs", 0)) for x in body)
+        try:
+            if path == "/v1/loads" and isinstance(body, dict) and body.get("loads"):
+                loads = body["loads"]
+                running = sum(int(x.get("num_running_reqs") or 0) for x in loads)
+                waiting = sum(int(x.get("num_waiting_reqs") or 0) for x in loads)
+                usage = max(float(x.get("token_usage") or 0.0) for x in loads)
+            elif isinstance(body, list) and body:
+                running = sum(int(x.get("num_reqs") or 0) for x in body)
+                waiting = sum(int(x.get("num_waiting_reqs") or 0) for x in body)
+                usage = w.token_usage
+            else:
+                return
+        except (TypeError, ValueError, AttributeError):
+            log.warning("worker %s sent a malformed load report; ignored", w.url)
+            return
+        w.polled_running, w.polled_waiting, w.token_usage = running, waiting, usage
         w.polled_at = time.monotonic()
 
     async def _load_loop(self) -> None:
         while True:
-            await asyncio.gather(
-                *(self._poll_load(w) for w in list(self.workers.values()) if w.healthy)
+            results = await asyncio.gather(
+                *(self._poll_load(w) for w in list(self.workers.values()) if w.healthy),
+                return_exceptions=True,
             )
+            for r in results:
+                if isinstance(r, Exception):  # a bug must not stop the polling
+                    log.error("load poll failed: %r", r)
             await asyncio.sleep(self.config.load_poll_interval_secs)
 
     # ---- the hot path --------------------------------------------------------------------
@@ -329,7 +365,7 @@ class Router:
             return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
         try:
             body = loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return self._count(api, error_json(400, "request body is not valid JSON"))
         try:
             view = view_request(api, body, request.headers)
@@ -394,14 +430,16 @@ class Router:
         worker.in_flight += 1
         worker.requests_total += 1
         worker.queued_prefill_tokens += uncached
+        return uncached
+
+    def _accepted(self, worker: Worker, view: RequestView, hit: int) -> None:
+        """The worker took the request: count its hit, and predict its cache (it will hold the
+        prompt once it has served it, and write it through to the global tier)."""
         self.prefix_hit_tokens += hit
-        # Predict the cache: the worker will hold this prompt once it has served it (and write it
-        # through to the global tier).
         with contextlib.suppress(KeyError):
             self.index.insert(worker.url, view.key.keys)
         if self.config.global_tier:
             self.index.insert(GLOBAL_TIER, view.key.keys)
-        return uncached
 
     async def _forward(
         self,
@@ -419,17 +457,20 @@ class Router:
         uncached = self._dispatch(worker, view, hit)
         prefilled = False
         sent = False
+        attempt_t0 = time.perf_counter()
 
-        def first_token() -> None:
+        def first_token(observe_ttft: bool) -> None:
             nonlocal prefilled
             if not prefilled:
                 prefilled = True
                 worker.queued_prefill_tokens -= uncached
                 worker.running_decode_tokens += view.prompt_tokens
-                ttft = time.perf_counter() - t0
-                self.ttft.observe(ttft)
+                self.ttft.observe(time.perf_counter() - t0)
                 observe = getattr(self.policy, "observe", None)
-                if observe is not None and view.stream:
+                if observe is not None and observe_ttft:
+                    # This attempt's own TTFT, in the worker's model time (an emulated worker
+                    # may run faster than real time).
+                    ttft = (time.perf_counter() - attempt_t0) * worker.time_scale
                     observe(worker.url, decision, ttft)
 
         headers = {
@@ -438,6 +479,7 @@ class Router:
         }
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
+        headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=c.health_check_timeout_secs, sock_read=c.request_timeout_secs
         )
@@ -449,10 +491,14 @@ class Router:
                     worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
                     raise Retry(f"worker answered {up.status}")
                 out_headers = self._decision_headers(rid, worker, decision)
+                if "Content-Encoding" in up.headers:
+                    out_headers["Content-Encoding"] = up.headers["Content-Encoding"]
                 ctype = up.headers.get("Content-Type", "application/json")
+                if up.status == 200:
+                    self._accepted(worker, view, hit)
                 if not view.stream or up.status != 200:
                     data = await up.read()
-                    first_token()
+                    first_token(False)
                     worker.record_success(c.cb_success_threshold)
                     return web.Response(
                         body=data,
@@ -464,15 +510,18 @@ class Router:
                 resp.content_type = ctype.split(";")[0]
                 async for chunk in up.content.iter_any():
                     if not sent:
-                        await resp.prepare(request)
+                        await _downstream(resp.prepare(request))
                         sent = True
-                    first_token()
-                    await resp.write(chunk)
+                    first_token(not self.config.pd_disaggregation)
+                    await _downstream(resp.write(chunk))
                 if not sent:
-                    await resp.prepare(request)
+                    await _downstream(resp.prepare(request))
                 worker.record_success(c.cb_success_threshold)
-                await resp.write_eof()
+                await _downstream(resp.write_eof())
                 return resp
+        except ClientGone:
+            log.info("client gone rid=%s worker=%s", rid, worker.url)
+            return resp
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
             if not sent:
@@ -497,7 +546,8 @@ class Router:
             else:
                 worker.queued_prefill_tokens -= uncached
             e2e = time.perf_counter() - t0
-            self.e2e.observe(e2e)
+            if prefilled:
+                self.e2e.observe(e2e)
             if log.isEnabledFor(logging.INFO):
                 log.info(
                     "request rid=%s api=%s worker=%s policy=%s reason=%s prompt_tokens=%d "
@@ -526,7 +576,7 @@ class Router:
         d_decision = self.decode_policy.select(view, self._snapshot(view, decodes))
         prefill, decode = prefills[p_decision.worker], decodes[d_decision.worker]
         self.decisions[(self.policy.name, p_decision.reason)] += 1
-        room = self._rng.getrandbits(63)
+        room = self._rooms.getrandbits(63)
         host = urlparse(prefill.url).hostname or "127.0.0.1"
         inject = json.dumps(
             {
@@ -543,8 +593,9 @@ class Router:
         hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
         p_uncached = self._dispatch(prefill, view, hit)
 
-        async def run_prefill() -> None:
+        async def run_prefill() -> bool:
             assert self.session is not None
+            c = self.config
             try:
                 async with self.session.post(
                     prefill.url + request.path,
@@ -552,29 +603,44 @@ class Router:
                     headers={"Content-Type": "application/json", "X-Request-ID": rid},
                 ) as up:
                     await up.read()
-                    if up.status >= 500:
+                    if up.status == 200:
+                        self._accepted(prefill, view, hit)
+                        prefill.record_success(c.cb_success_threshold)
+                    elif up.status >= 500:
                         prefill.record_failure(
-                            self.config.cb_failure_threshold,
-                            not self.config.disable_circuit_breaker,
+                            c.cb_failure_threshold, not c.disable_circuit_breaker
                         )
+                    return up.status == 200
             except (TimeoutError, aiohttp.ClientError, OSError):
-                prefill.record_failure(
-                    self.config.cb_failure_threshold, not self.config.disable_circuit_breaker
-                )
+                prefill.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+                return False
             finally:
                 prefill.in_flight -= 1
                 prefill.queued_prefill_tokens -= p_uncached
 
-        task = asyncio.get_running_loop().create_task(run_prefill())
+        loop = asyncio.get_running_loop()
+        prefill_task = loop.create_task(run_prefill())
+        decode_task = loop.create_task(
+            self._forward(request, body, view, decode, d_decision, rid, 0, t0)
+        )
         try:
-            return await self._forward(request, body, view, decode, d_decision, rid, 0, t0)
+            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if not decode_task.done() and prefill_task.done() and not prefill_task.result():
+                # The decode worker would wait for KV that never comes: stop it, and do not
+                # count its timeout against it.
+                decode_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await decode_task
+                return error_json(502, f"prefill worker {prefill.url} failed")
+            return await decode_task
         except Retry as e:
             return error_json(503, f"decode worker failed: {e}")
         finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            for task in (prefill_task, decode_task):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
 
     # ---- the router's own endpoints ------------------------------------------------------
 
@@ -707,7 +773,10 @@ class Router:
         failed = []
         for w in list(self.workers.values()):
             try:
-                async with self.session.post(w.url + "/flush_cache") as r:
+                async with self.session.post(
+                    w.url + "/flush_cache",
+                    timeout=aiohttp.ClientTimeout(total=self.config.health_check_timeout_secs),
+                ) as r:
                     await r.read()
                     if r.status != 200:
                         failed.append(w.url)

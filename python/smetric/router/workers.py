@@ -18,6 +18,9 @@ class Worker:
     healthy: bool = True
     model: str | None = None
     max_total_tokens: int | None = None
+    time_scale: float = 1.0
+    """How much faster than real time the worker runs (an emulated worker says so in
+    ``/server_info``): its latencies are compared with the SLO model in its own time."""
 
     # Health checks: consecutive results.
     health_failures: int = 0

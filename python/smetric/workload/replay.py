@@ -76,12 +76,14 @@ async def _turn(
                 if data.get("usage"):
                     usage = data["usage"]
                 choices = data.get("choices") or []
-                if choices and (choices[0].get("delta") or {}).get("content"):
+                delta = (choices[0].get("delta") or {}) if choices else {}
+                # Tool calls and reasoning are output tokens too (agents answer mostly in calls).
+                if any(delta.get(k) for k in ("content", "tool_calls", "reasoning_content")):
                     now = time.perf_counter()
                     first = first or now
                     last = now
                     chunks += 1
-    except (TimeoutError, aiohttp.ClientError, RuntimeError) as e:
+    except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
         return TurnResult(s.session_id, k, False, 0.0, None, 0.0, 0, 0, 0, None, None, repr(e))
     end = time.perf_counter()
     first = first or end
