@@ -19,6 +19,7 @@ from typing import Any
 
 from smetric.perf import DEFAULT_PROFILE, load_profile
 from smetric.policies import POLICIES
+from smetric.request import BYTES_PER_TOKEN, TEXT_BLOCK_BYTES
 
 log = logging.getLogger("smetric.router")
 
@@ -141,27 +142,15 @@ IGNORED_FLAGS = {
 }
 
 
-def _positive(kind: Callable[[str], float]) -> Callable[[str], Any]:
+def _number(kind: Callable[[str], float], strictly_positive: bool) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0: {text!r}")
-        return value
-
-    return parse
-
-
-def _non_negative(kind: Callable[[str], float]) -> Callable[[str], Any]:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+        if value < 0 or (strictly_positive and value == 0):
+            bound = "> 0" if strictly_positive else ">= 0"
+            raise argparse.ArgumentTypeError(f"must be {bound}: {text!r}")
         return value
 
     return parse
@@ -190,10 +179,10 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
         "SMetric policy and sglang-router's own policies.",
     )
     pos_f, nonneg_f, pos_i, nonneg_i = (
-        _positive(float),
-        _non_negative(float),
-        _positive(int),
-        _non_negative(int),
+        _number(float, True),
+        _number(float, False),
+        _number(int, True),
+        _number(int, False),
     )
     p.add_argument(
         "--host",
@@ -271,6 +260,12 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
     )
     g.add_argument("--ttft-slo-ms", type=pos_f, default=None, help="an absolute TTFT SLO")
     g.add_argument("--tpot-slo-ms", type=pos_f, default=100.0, help="TPOT SLO (default 100)")
+    g.add_argument(
+        "--global-tier-capacity-tokens",
+        type=pos_i,
+        default=75_000_000,
+        help="capacity of the global tier the index models (default 75 M tokens)",
+    )
     g.add_argument(
         "--no-global-tier",
         action="store_true",
@@ -378,6 +373,9 @@ def parse_config(argv: list[str] | None = None, prog: str = "smetric serve") -> 
         ttft_slo_ms=args.ttft_slo_ms,
         tpot_slo_ms=args.tpot_slo_ms,
         global_tier=not args.no_global_tier,
+        global_tier_blocks=int(
+            args.global_tier_capacity_tokens * BYTES_PER_TOKEN / TEXT_BLOCK_BYTES
+        ),
         slo_gate=not args.no_slo_gate,
         migration=not args.no_migration,
         turn_detection=not args.no_turn_detection,
