@@ -733,10 +733,9 @@ def test_without_handler_cancellation_a_client_leaving_is_no_worker_failure():
         base = f"http://127.0.0.1:{runner.addresses[-1][1]}"
         try:
             body = {**GEN, "stream": True, "sampling_params": {"max_new_tokens": 3000}}
-            async with aiohttp.ClientSession() as s:
-                async with s.post(base + "/generate", json=body) as r:
-                    await r.content.readline()
-                    r.close()
+            async with aiohttp.ClientSession() as s, s.post(base + "/generate", json=body) as r:
+                await r.content.readline()
+                r.close()
             await asyncio.sleep(1.0)
             return router.retries, [w.errors_total for w in router.workers.values()]
         finally:
@@ -794,11 +793,13 @@ def test_compressed_worker_replies_reach_the_client_decodable():
         app.router.add_get("/health", info)
         app.router.add_get("/server_info", info)
         runner, url = await serve_app(app)
-        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
+        _router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
         try:
-            async with aiohttp.ClientSession() as s:
-                async with s.post(base + "/generate", json={"text": "a"}) as r:
-                    return (await r.json())["text"]
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(base + "/generate", json={"text": "a"}) as r,
+            ):
+                return (await r.json())["text"]
         finally:
             await rrunner.cleanup()
             await runner.cleanup()

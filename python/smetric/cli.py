@@ -83,7 +83,31 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="PD disaggregation: P prefill and D decode workers",
     )
+    sw = sub.add_parser(
+        "sweep",
+        help="each policy's peak TPS under SLO in the simulator, raising the load until the "
+        "SLO breaks",
+    )
+    sw.add_argument(
+        "--trace",
+        choices=["agents", "mooncake"],
+        default="agents",
+        help="agents: agent-session JSONL (default: the bundled slice); mooncake: a "
+        "Mooncake trace (--path required)",
+    )
+    sw.add_argument("--path", default=None)
+    sw.add_argument("--limit", type=int, default=None, help="use the first N sessions / requests")
+    sw.add_argument("--workers", type=int, default=4)
+    sw.add_argument("--profile", default=DEFAULT_PROFILE)
+    sw.add_argument(
+        "--policies",
+        nargs="+",
+        default=["smetric", "lmetric", "cache_aware", "kv_cost", "least_load"],
+    )
+    sw.add_argument("--no-global-tier", action="store_true")
     args = parser.parse_args(argv)
+    if args.command == "sweep":
+        return _sweep(parser, args)
     if args.command == "emulate":
         return _emulate(parser, args)
     if args.command == "demo":
@@ -168,6 +192,55 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
+    return 0
+
+
+def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from smetric.policies import POLICIES
+    from smetric.workload.sweep import Point, peak_tps, sweep
+
+    if unknown := [p for p in args.policies if p not in POLICIES]:
+        parser.error(f"unknown policies: {', '.join(unknown)}")
+    if args.workers < 1 or (args.limit is not None and args.limit < 1):
+        parser.error("--workers and --limit must be >= 1")
+    try:
+        profile = load_profile(args.profile)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.trace == "mooncake":
+        from smetric.workload.mooncake import load_mooncake
+
+        if not args.path:
+            parser.error("--trace mooncake needs --path")
+        requests = load_mooncake(args.path, limit=args.limit)
+    else:
+        from smetric.workload.agents import load_sessions, sim_requests
+
+        requests = sim_requests(load_sessions(args.path, limit=args.limit), 2.0, 2.0)
+
+    def show(p: Point) -> None:
+        mark = "ok " if p.meets_slo else "SLO"
+        print(
+            f"  {p.policy:<12} x{p.factor:<5g} {mark} TPS {p.tps:>10.0f}  TTFT attained "
+            f"{p.ttft_attainment:6.1%}  TPOT attained {p.tpot_attainment:6.1%}",
+            flush=True,
+        )
+
+    print(
+        f"{len(requests)} requests ({args.trace}), {args.workers} simulated workers "
+        f"({profile.name}), global tier {'off' if args.no_global_tier else 'on'}"
+    )
+    from smetric.engine import GlobalTierConfig
+
+    tier = None if args.no_global_tier else GlobalTierConfig()
+    results = sweep(requests, args.policies, profile, args.workers, tier, progress=show)
+    peaks = {name: peak_tps(points) for name, points in results.items()}
+    baselines = [v for k, v in peaks.items() if k != "smetric"]
+    best = max(baselines, default=0.0)
+    print(f"\n{'policy':<12} {'peak TPS under SLO':>19} {'vs best baseline':>17}")
+    for name, peak in peaks.items():
+        ratio = f"{peak / best:.3f}x" if best else "-"
+        print(f"{name:<12} {peak:>19.0f} {ratio:>17}")
     return 0
 
 
