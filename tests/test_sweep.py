@@ -35,10 +35,14 @@ def test_scaling_compresses_arrivals_and_think_times():
 
 
 def test_a_sweep_raises_load_until_the_slo_breaks_and_reports_the_peak():
-    out = sweep(requests(), ["least_load"], PROFILE, workers=1, ladder=(1.0, 1.2, 64.0, 256.0))
-    points = out["least_load"]
-    assert [p.meets_slo for p in points][:2] == [True, True]
-    assert points[-1].meets_slo is False and len(points) <= 4  # stopped at the first miss
+    ladder = (1.0, 1.2, 64.0, 256.0)
+    points = sweep(requests(), ["least_load"], PROFILE, workers=1, ladder=ladder, refine=3)[
+        "least_load"
+    ]
+    assert [p.meets_slo for p in points][:3] == [True, True, False]
+    assert all(p.factor not in (256.0,) for p in points)  # stopped climbing at the first miss
+    bisected = points[3:]
+    assert len(bisected) == 3 and all(1.2 < p.factor < 64.0 for p in bisected)
     assert points[1].tps > points[0].tps  # more load, more tokens per second while under SLO
     assert peak_tps(points) == max(p.tps for p in points if p.meets_slo)
     assert peak_tps([]) == 0.0

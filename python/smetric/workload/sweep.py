@@ -4,7 +4,8 @@ For a load factor f, arrivals come f times faster (trace timestamps and session 
 by f, think times too). A run meets the SLO when at least 90% of requests have TTFT within their
 TTFT SLO (k x their TTFT alone on an idle instance, k = 5) and at least 90% have mean TPOT within
 the TPOT SLO (100 ms). TPS = prompt + output tokens served / the run's makespan. The sweep raises
-f along a geometric ladder and reports the highest TPS among the runs that met the SLO.
+f along a geometric ladder, bisects between the last load that met the SLO and the first that did
+not, and reports the highest TPS among the runs that met the SLO.
 """
 
 from __future__ import annotations
@@ -77,23 +78,40 @@ def sweep(
     workers: int = 16,
     global_tier: GlobalTierConfig | None = GlobalTierConfig(),
     ladder: Sequence[float] = LADDER,
+    refine: int = 3,
     progress: Callable[[Point], None] | None = None,
 ) -> dict[str, list[Point]]:
+    """Climbs ``ladder`` until the SLO breaks, then bisects ``refine`` times between the last
+    load that met it and the first that did not."""
     slo = SLOModel(profile)
     out: dict[str, list[Point]] = {}
     for name in policies:
-        points = []
-        for factor in ladder:
-            reqs = scale_arrivals(requests, factor)
+        points: list[Point] = []
+
+        def run(factor: float, name: str = name, points: list[Point] = points) -> Point:
             result = simulate(
-                reqs, policy_route(make_policy(name)), profile, workers, global_tier=global_tier
+                scale_arrivals(requests, factor),
+                policy_route(make_policy(name)),
+                profile,
+                workers,
+                global_tier=global_tier,
             )
             point = evaluate(name, factor, result, slo)
             points.append(point)
             if progress:
                 progress(point)
-            if not point.meets_slo:
+            return point
+
+        good = None
+        for factor in ladder:
+            if not run(factor).meets_slo:
+                if good is not None:
+                    lo, hi = good, factor
+                    for _ in range(refine):
+                        mid = (lo * hi) ** 0.5
+                        lo, hi = (mid, hi) if run(mid).meets_slo else (lo, mid)
                 break
+            good = factor
         out[name] = points
     return out
 
