@@ -169,10 +169,10 @@ def test_online_correction_follows_observations_bounded_and_decaying():
     assert slo.predict_ttft_s("a", 0, 8000, 0) == pytest.approx(1.5 * base, rel=0.02)
     for _ in range(50):
         slo.observe_ttft("a", slo.predict_ttft_s("a", 0, 8000, 0), 10 * base)
-    assert slo.correction("a")[0] == 2.0  # bounded
+    assert slo.correction("a") == 2.0  # bounded
     now[0] += 60.0
-    assert slo.correction("a")[0] == pytest.approx(1.5)  # half-way back after a half-life
-    assert slo.correction("b") == (1.0, 1.0)
+    assert slo.correction("a") == pytest.approx(1.5)  # half-way back after a half-life
+    assert slo.correction("b") == 1.0
 
 
 def test_predicted_ttft_is_within_ten_percent_of_the_engine_at_moderate_load():

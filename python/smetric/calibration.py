@@ -41,24 +41,24 @@ def _requests(batch: int, prompt: int, output: int) -> list[SimRequest]:
     ]
 
 
-def mean_e2e_s(batch: int, prompt: int, output: int) -> Callable[[Profile], float]:
+def _mean(field: str, batch: int, prompt: int, output: int) -> Callable[[Profile], float]:
+    """A scenario: ``batch`` equal requests at once on one idle worker; the mean of a latency."""
+
     def run(profile: Profile) -> float:
         res = simulate(
             _requests(batch, prompt, output), round_robin(), profile, workers=1, global_tier=None
         )
-        return sum(r.e2e_s or 0.0 for r in res.requests) / batch
+        return sum(getattr(r, field) or 0.0 for r in res.requests) / batch
 
     return run
+
+
+def mean_e2e_s(batch: int, prompt: int, output: int) -> Callable[[Profile], float]:
+    return _mean("e2e_s", batch, prompt, output)
 
 
 def mean_tpot_s(batch: int, prompt: int, output: int) -> Callable[[Profile], float]:
-    def run(profile: Profile) -> float:
-        res = simulate(
-            _requests(batch, prompt, output), round_robin(), profile, workers=1, global_tier=None
-        )
-        return sum(r.tpot_s or 0.0 for r in res.requests) / batch
-
-    return run
+    return _mean("tpot_s", batch, prompt, output)
 
 
 QWEN_SPEED = (

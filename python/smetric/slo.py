@@ -14,9 +14,10 @@ the hot path:
   steps sharing those iterations are left out.
 * TPOT = one decode step of the instance's batch with this request added (batch and context).
 
-Each instance has a correction factor per quantity: the ratio of observed to predicted, averaged
-(EWMA, weight 0.2), bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life when nothing
-new is observed.
+Each instance has a TTFT correction factor: the ratio of observed to predicted, averaged (EWMA,
+weight 0.2), bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life when nothing new is
+observed. TPOT is not corrected: the router passes streams through unparsed, so it cannot count
+the tokens a response carried exactly.
 """
 
 from __future__ import annotations
@@ -68,7 +69,6 @@ class SLOModel:
         self._attention = 4.0 * m.layers * m.q_heads * m.head_dim  # FLOPs per token pair
         self._kv_bytes = profile.kv_bytes_per_token
         self._ttft: dict[str, _Correction] = {}
-        self._tpot: dict[str, _Correction] = {}
 
     # ---- SLOs ----------------------------------------------------------------------------
 
@@ -102,7 +102,7 @@ class SLOModel:
         """How long prefill already queued on an instance keeps a new request waiting."""
         if queued_prefill_tokens <= 0:
             return 0.0
-        return self._prefill_s(queued_prefill_tokens, 0, 0) * self._factor(self._ttft, url)
+        return self._prefill_s(queued_prefill_tokens, 0, 0) * self._factor(url)
 
     def predict_ttft_s(
         self,
@@ -118,43 +118,36 @@ class SLOModel:
         cached = min(local_tokens + loaded, max(prompt_tokens - 1, 0))
         uncached = prompt_tokens - cached
         t = self._prefill_s(queued_prefill_tokens, uncached, cached)
-        return (t + self.global_load_s(cached - local_tokens)) * self._factor(self._ttft, url)
+        return (t + self.global_load_s(cached - local_tokens)) * self._factor(url)
 
     def predict_tpot_s(
         self, url: str, decode_batch: int, decode_context_tokens: int, prompt_tokens: int
     ) -> float:
         """One decode step once this request joins the batch."""
         step = self.profile.decode_step_s(decode_batch + 1, decode_context_tokens + prompt_tokens)
-        return step * self._factor(self._tpot, url)
+        return step
 
     # ---- online correction ---------------------------------------------------------------
 
-    def _factor(self, table: dict[str, _Correction], url: str) -> float:
-        c = table.get(url)
+    def _factor(self, url: str) -> float:
+        c = self._ttft.get(url)
         if c is None:
             return 1.0
         age = self.clock() - c.at
         decay: float = 0.5 ** (age / CORRECTION_HALF_LIFE_S)
         return 1.0 + (c.factor - 1.0) * decay
 
-    def _observe(
-        self, table: dict[str, _Correction], url: str, predicted: float, observed: float
-    ) -> None:
+    def observe_ttft(self, url: str, predicted: float, observed: float) -> None:
+        """Updates an instance's TTFT correction from one response."""
         if predicted <= 0 or observed <= 0:
             return
-        c = table.setdefault(url, _Correction())
-        current = self._factor(table, url)
+        c = self._ttft.setdefault(url, _Correction())
+        current = self._factor(url)
         raw = current * observed / predicted  # predicted already carried the current factor
         lo, hi = CORRECTION_BOUNDS
         c.factor = min(max(current + CORRECTION_WEIGHT * (raw - current), lo), hi)
         c.at = self.clock()
 
-    def observe_ttft(self, url: str, predicted_s: float, observed_s: float) -> None:
-        self._observe(self._ttft, url, predicted_s, observed_s)
-
-    def observe_tpot(self, url: str, predicted_s: float, observed_s: float) -> None:
-        self._observe(self._tpot, url, predicted_s, observed_s)
-
-    def correction(self, url: str) -> tuple[float, float]:
-        """Current (TTFT, TPOT) correction factors of an instance."""
-        return self._factor(self._ttft, url), self._factor(self._tpot, url)
+    def correction(self, url: str) -> float:
+        """Current TTFT correction factor of an instance."""
+        return self._factor(url)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from aiohttp import web
@@ -72,13 +71,6 @@ class EmulatedCluster:
             with contextlib.suppress(Exception):
                 await runner.cleanup()
         self._runners.clear()
-
-    async def serve_forever(self) -> None:
-        await self.start()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await self.stop()
 
 
 __all__ = ["EmulatedCluster", "EmulatedWorker", "Fault", "ScaledClock"]

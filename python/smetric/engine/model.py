@@ -88,7 +88,6 @@ class EngineRequest:
     first_token_s: float | None = None
     finish_s: float | None = None
     worker: str = ""
-    decode_worker: str = ""
     reserved_tokens: int = 0
     locked_tokens: int = 0
     extra: dict[str, object] = field(default_factory=dict)
@@ -233,7 +232,6 @@ class Engine:
         """PD: a prefilled request arrives with its KV. It waits for room in the pool and the
         running cap like any request; its first token comes out with its first decode step."""
         self.check(req)
-        req.decode_worker = self.name
         req.phase = Phase.TRANSFER
         req.generated_tokens = 0
         self.waiting.append(req)

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from smetric.cluster import ClusterView, Decision, WorkerView
+from smetric.cluster import ClusterView, Decision
 from smetric.perf import DEFAULT_PROFILE, Profile, load_profile
 from smetric.request import RequestView
 from smetric.slo import SLOConfig, SLOModel
@@ -95,17 +95,6 @@ class SMetric:
         picks[ws[i].url] = picks.get(ws[i].url, 0) + 1
         return i
 
-    def _predict(
-        self, w: WorkerView, req: RequestView, local_tokens: int, global_tokens: int
-    ) -> tuple[float, float]:
-        ttft = self.slo.predict_ttft_s(
-            w.url, w.queued_prefill_tokens, req.prompt_tokens, local_tokens, global_tokens
-        )
-        tpot = self.slo.predict_tpot_s(
-            w.url, w.in_flight, w.running_decode_tokens, req.prompt_tokens
-        )
-        return ttft, tpot
-
     # ---- the decision --------------------------------------------------------------------
 
     def _remember(self, req: RequestView, url: str) -> None:
@@ -158,19 +147,14 @@ class SMetric:
         if not self.config.slo_gate:
             return self._with_prediction(req, cluster, cand, "stick")
 
-        prompt = req.prompt_tokens
-        local = cluster.local_hit_tokens(cand, prompt)
-        global_tokens = max(int(cluster.global_hit_blocks * cluster.block_tokens) - local, 0)
-        ttft, tpot = self._predict(ws[cand], req, local, global_tokens)
-        ttft_slo, tpot_slo = self.slo.ttft_slo_s(prompt), self.slo.tpot_slo_s
+        ttft, tpot = self._predict_at(req, cluster, cand)
+        ttft_slo, tpot_slo = self.slo.ttft_slo_s(req.prompt_tokens), self.slo.tpot_slo_s
         if ttft <= ttft_slo and tpot <= tpot_slo:
             return Decision(cand, "stick", ttft)
         if not self.config.migration or len(ws) == 1:
             return Decision(cand, "stick_over_slo", ttft)
         target = self._least_loaded(cluster, exclude=cand)
-        t_local = cluster.local_hit_tokens(target, prompt)
-        t_global = max(int(cluster.global_hit_blocks * cluster.block_tokens) - t_local, 0)
-        t_ttft, t_tpot = self._predict(ws[target], req, t_local, t_global)
+        t_ttft, t_tpot = self._predict_at(req, cluster, target)
         if t_ttft <= ttft_slo and t_tpot <= tpot_slo:
             return Decision(target, "migrate_slo", t_ttft)
         # Nobody meets the SLO: the faster of the two (TTFT first, then TPOT).
@@ -178,18 +162,22 @@ class SMetric:
             return Decision(target, "migrate_over_slo", t_ttft)
         return Decision(cand, "stick_over_slo", ttft)
 
+    def _predict_at(self, req: RequestView, cluster: ClusterView, i: int) -> tuple[float, float]:
+        """Predicted (TTFT, TPOT) on instance ``i``: what it holds locally, the rest of what the
+        global tier holds loaded from there."""
+        w, prompt = cluster.workers[i], req.prompt_tokens
+        local = cluster.local_hit_tokens(i, prompt)
+        glob = max(int(cluster.global_hit_blocks * cluster.block_tokens) - local, 0)
+        ttft = self.slo.predict_ttft_s(w.url, w.queued_prefill_tokens, prompt, local, glob)
+        tpot = self.slo.predict_tpot_s(w.url, w.in_flight, w.running_decode_tokens, prompt)
+        return ttft, tpot
+
     def _with_prediction(
         self, req: RequestView, cluster: ClusterView, i: int, reason: str
     ) -> Decision:
         """A decision made without the SLO model still carries its TTFT prediction, so every
         response can correct the model."""
-        local = cluster.local_hit_tokens(i, req.prompt_tokens)
-        glob = max(int(cluster.global_hit_blocks * cluster.block_tokens) - local, 0)
-        w = cluster.workers[i]
-        ttft = self.slo.predict_ttft_s(
-            w.url, w.queued_prefill_tokens, req.prompt_tokens, local, glob
-        )
-        return Decision(i, reason, ttft)
+        return Decision(i, reason, self._predict_at(req, cluster, i)[0])
 
     def observe(self, url: str, decision: Decision, ttft_s: float | None) -> None:
         """What the chosen worker did: corrects the SLO model's TTFT for that instance."""

@@ -105,6 +105,8 @@ class Router:
             global_capacity_blocks=config.global_tier_blocks if config.global_tier else None
         )
         self.workers: dict[str, Worker] = {}
+        self._order: list[str] = []
+        """The index's instances in match-result order, kept as workers come and go."""
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
@@ -255,6 +257,7 @@ class Router:
         if url in self.workers:  # registered by a concurrent call while this one waited
             raise BadRequest(f"worker {url} is already registered")
         self.index.add_instance(url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size))
+        self._order = self.index.instances()
         self.workers[url] = worker
         log.info("worker added url=%s role=%s healthy=%s", url, role, healthy)
         return worker
@@ -263,6 +266,7 @@ class Router:
         worker = self.workers.pop(url)
         worker.removed = True  # requests in flight finish; nothing new goes there
         self.index.remove_instance(url)
+        self._order = self.index.instances()
         log.info("worker removed url=%s in_flight=%d", url, worker.in_flight)
         return worker
 
@@ -314,7 +318,6 @@ class Router:
             log.warning("worker %s sent a malformed load report; ignored", w.url)
             return
         w.polled_running, w.polled_waiting, w.token_usage = running, waiting, usage
-        w.polled_at = time.monotonic()
 
     async def _load_loop(self) -> None:
         while True:
@@ -340,7 +343,7 @@ class Router:
 
     def _snapshot(self, view: RequestView, workers: list[Worker]) -> ClusterView:
         match = self.index.match(view.key.keys, touch=False)
-        hits = dict(zip(self.index.instances(), match.blocks, strict=True))
+        hits = dict(zip(self._order, match.blocks, strict=True))
         return ClusterView(
             tuple(w.view(hits.get(w.url, 0)) for w in workers),
             match.global_blocks,
@@ -674,28 +677,27 @@ class Router:
         workers = self._eligible(role, set())
         return workers[0] if workers else None
 
-    async def health_generate(self, request: web.Request) -> web.Response:
+    async def _ask_any_worker(self, path: str) -> tuple[int, Any] | web.Response:
+        """GETs ``path`` from an eligible worker; an error response if none answers."""
         worker = self._any_worker()
         if worker is None:
             return error_json(503, "no healthy worker")
         try:
-            status, _ = await self._get(
-                worker.url, "/health_generate", self.config.health_check_timeout_secs
-            )
+            return await self._get(worker.url, path, self.config.health_check_timeout_secs)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             return error_json(503, f"worker {worker.url} failed: {type(e).__name__}")
-        return web.Response(status=200 if status == 200 else 503)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        answer = await self._ask_any_worker("/health_generate")
+        if isinstance(answer, web.Response):
+            return answer
+        return web.Response(status=200 if answer[0] == 200 else 503)
 
     async def proxy_get(self, request: web.Request) -> web.Response:
-        worker = self._any_worker()
-        if worker is None:
-            return error_json(503, "no healthy worker")
-        try:
-            status, body = await self._get(
-                worker.url, request.path, self.config.health_check_timeout_secs
-            )
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            return error_json(503, f"worker {worker.url} failed: {type(e).__name__}")
+        answer = await self._ask_any_worker(request.path)
+        if isinstance(answer, web.Response):
+            return answer
+        status, body = answer
         return web.json_response(body, status=status)
 
     async def get_loads(self, request: web.Request) -> web.Response:

@@ -38,7 +38,6 @@ class Worker:
     polled_running: int = 0
     polled_waiting: int = 0
     token_usage: float = 0.0
-    polled_at: float | None = None
 
     requests_total: int = 0
     errors_total: int = 0
