@@ -578,6 +578,28 @@ def test_smetric_on_real_agent_sessions_spreads_first_turns_sticks_and_migrates(
     assert moved[1] == "migrate_slo" and moved[0] != home
 
 
+def test_streamed_responses_correct_smetrics_tpot_model_from_what_workers_show():
+    # The emulated workers run the same performance model the SLO model predicts from, so the
+    # TPOT the router measures from streams should teach it a factor close to 1 (the streams'
+    # last events, finish reason and usage, make the measured mean a little short).
+    long_chat = {**CHAT, "max_tokens": 40}
+
+    async def test(bed: Bed):
+        for i in range(6):
+            body = {
+                **long_chat,
+                "messages": [*CHAT["messages"][:1], {"role": "user", "content": f"q{i}"}],
+            }
+            status, lines, _ = await bed.stream("/v1/chat/completions", body)
+            assert status == 200 and lines[-1] == b"data: [DONE]"
+        slo = bed.router.policy.slo
+        return [slo.tpot_correction(u) for u in bed.router.workers]
+
+    factors = run(test, workers=2, time_scale=4.0)
+    assert any(f != 1.0 for f in factors)  # observed at all
+    assert all(0.8 <= f <= 1.1 for f in factors), factors
+
+
 def test_smetric_flags_parse_and_validate():
     c = parse_config(
         [

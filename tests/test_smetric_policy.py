@@ -62,6 +62,24 @@ def test_first_turn_goes_to_the_least_loaded_by_predicted_delay_not_request_coun
     )
 
 
+def test_first_turn_balance_counts_the_requests_its_prefill_would_delay():
+    # b has a little less prefill queued than a, but is decoding 40 requests that the new
+    # request's prefill chunks would stall; a serves 2. The predicted-delay ablation picks b;
+    # the default cost measure picks a.
+    c = cluster(
+        w("b", in_flight=40, queued=6_000, decode=400_000),
+        w("a", in_flight=2, queued=8_000),
+    )
+    assert decide(smetric(), req(first=True), c) == ("a", "first_turn_balance")
+    assert decide(smetric(load_metric="delay"), req(first=True), c) == ("b", "first_turn_balance")
+    # But a long queue is not outweighed by a busy batch when the queue dominates the TTFT.
+    c = cluster(
+        w("b", in_flight=40, queued=0, decode=400_000),
+        w("a", in_flight=2, queued=2_000_000),
+    )
+    assert decide(smetric(), req(first=True), c) == ("b", "first_turn_balance")
+
+
 def test_follow_up_sticks_to_the_instance_with_the_highest_local_hit_when_it_meets_the_slo():
     c = cluster(w("a", hit=100), w("b", hit=950, in_flight=3, queued=4_000), w("c"))
     assert decide(smetric(), req(), c) == ("b", "stick")
@@ -173,6 +191,40 @@ def test_online_correction_follows_observations_bounded_and_decaying():
     now[0] += 60.0
     assert slo.correction("a") == pytest.approx(1.5)  # half-way back after a half-life
     assert slo.correction("b") == 1.0
+
+
+def test_tpot_correction_is_its_own_bounded_factor_and_leaves_ttft_alone():
+    now = [0.0]
+    slo = SLOModel(PROFILE, clock=lambda: now[0])
+    base = slo.predict_tpot_s("a", 8, 40_000, 2_000)
+    ttft = slo.predict_ttft_s("a", 0, 8000, 0)
+    for _ in range(50):
+        slo.observe_tpot("a", slo.predict_tpot_s("a", 8, 40_000, 2_000), 0.8 * base)
+    assert slo.predict_tpot_s("a", 8, 40_000, 2_000) == pytest.approx(0.8 * base, rel=0.02)
+    assert slo.predict_ttft_s("a", 0, 8000, 0) == ttft and slo.correction("a") == 1.0
+    for _ in range(50):
+        slo.observe_tpot("a", slo.predict_tpot_s("a", 8, 40_000, 2_000), 0.01 * base)
+    assert slo.tpot_correction("a") == 0.5  # bounded
+    now[0] += 60.0
+    assert slo.tpot_correction("a") == pytest.approx(0.75)  # half-way back after a half-life
+    assert slo.tpot_correction("b") == 1.0
+
+
+def test_smetric_decisions_carry_both_predictions_and_observations_correct_them():
+    policy = smetric()
+    c = cluster(w("a"), w("b", hit=900, in_flight=4, decode=30_000))
+    d = policy.select(req(), c)
+    assert (d.reason, d.predicted_ttft_s is not None, d.predicted_tpot_s is not None) == (
+        "stick",
+        True,
+        True,
+    )
+    assert d.predicted_tpot_s is not None
+    base = d.predicted_tpot_s
+    for _ in range(30):  # each decision's prediction carries the correction so far
+        policy.observe_tpot("b", policy.select(req(), c), 1.5 * base)
+    assert policy.slo.tpot_correction("b") == pytest.approx(1.5, rel=0.02)
+    assert policy.slo.tpot_correction("a") == 1.0
 
 
 def test_predicted_ttft_is_within_ten_percent_of_the_engine_at_moderate_load():

@@ -57,6 +57,28 @@ def test_follow_up_turns_of_real_sessions_share_most_of_their_blocks():
         assert nxt.common_prefix(prev) == len(prev)
 
 
+def test_replicated_sessions_share_only_the_common_opening_with_their_originals():
+    from smetric.request import key_text
+    from smetric.workload.agents import replicate, sim_requests
+
+    sessions = load_sessions(limit=3)
+    copies = replicate(sessions, 3)
+    ids = [s.session_id for s in sessions]
+    assert [s.session_id for s in copies[:4]] == [*ids, ids[0] + "~1"]
+    assert [len(s.turns) for s in copies] == [len(s.turns) for s in sessions] * 3
+    orig, copy = sessions[0], copies[3]
+    a = key_text(chat_prompt_text(orig.turns[-1].messages, orig.tools)).keys
+    b = key_text(chat_prompt_text(copy.turns[-1].messages, copy.tools)).keys
+    system = key_text(chat_prompt_text(orig.turns[0].messages[:1], orig.tools)).keys
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert len(system) - 1 <= shared <= len(system) + 1 < len(a)  # the opening alone
+    # Within the copy, each turn still extends the previous one.
+    reqs = sim_requests(copies, 1.0, 1.0)
+    assert len(reqs) == 3 * sum(len(s.turns) for s in sessions)
+    with pytest.raises(ValueError):
+        replicate(sessions, 0)
+
+
 def test_loader_reads_a_file_and_rejects_lines_that_are_not_sessions(tmp_path):
     good = tmp_path / "s.jsonl.gz"
     session = {

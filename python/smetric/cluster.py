@@ -48,3 +48,5 @@ class Decision:
     predicted_ttft_s: float | None = None
     """The policy's TTFT prediction for the chosen worker, where it made one (for its online
     correction: the router reports what it observed through ``observe``)."""
+    predicted_tpot_s: float | None = None
+    """Likewise for TPOT (reported through ``observe_tpot``)."""

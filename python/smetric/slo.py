@@ -14,10 +14,11 @@ the hot path:
   steps sharing those iterations are left out.
 * TPOT = one decode step of the instance's batch with this request added (batch and context).
 
-Each instance has a TTFT correction factor: the ratio of observed to predicted, averaged (EWMA,
-weight 0.2), bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life when nothing new is
-observed. TPOT is not corrected: the router passes streams through unparsed, so it cannot count
-the tokens a response carried exactly.
+Each instance has a TTFT and a TPOT correction factor: the ratio of observed to predicted,
+averaged (EWMA, weight 0.2), bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life
+when nothing new is observed. The router observes TTFT at a response's first chunk and TPOT from
+a stream's events (the time from the first event to the last over the events between; one event
+per token, as SGLang streams by default).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class SLOModel:
         self._attention = 4.0 * m.layers * m.q_heads * m.head_dim  # FLOPs per token pair
         self._kv_bytes = profile.kv_bytes_per_token
         self._ttft: dict[str, _Correction] = {}
+        self._tpot: dict[str, _Correction] = {}
 
     # ---- SLOs ----------------------------------------------------------------------------
 
@@ -102,7 +104,7 @@ class SLOModel:
         """How long prefill already queued on an instance keeps a new request waiting."""
         if queued_prefill_tokens <= 0:
             return 0.0
-        return self._prefill_s(queued_prefill_tokens, 0, 0) * self._factor(url)
+        return self._prefill_s(queued_prefill_tokens, 0, 0) * self._factor(self._ttft, url)
 
     def predict_ttft_s(
         self,
@@ -118,19 +120,19 @@ class SLOModel:
         cached = min(local_tokens + loaded, max(prompt_tokens - 1, 0))
         uncached = prompt_tokens - cached
         t = self._prefill_s(queued_prefill_tokens, uncached, cached)
-        return (t + self.global_load_s(cached - local_tokens)) * self._factor(url)
+        return (t + self.global_load_s(cached - local_tokens)) * self._factor(self._ttft, url)
 
     def predict_tpot_s(
         self, url: str, decode_batch: int, decode_context_tokens: int, prompt_tokens: int
     ) -> float:
         """One decode step once this request joins the batch."""
         step = self.profile.decode_step_s(decode_batch + 1, decode_context_tokens + prompt_tokens)
-        return step
+        return step * self._factor(self._tpot, url)
 
     # ---- online correction ---------------------------------------------------------------
 
-    def _factor(self, url: str) -> float:
-        c = self._ttft.get(url)
+    def _factor(self, table: dict[str, _Correction], url: str) -> float:
+        c = table.get(url)
         if c is None:
             return 1.0
         age = self.clock() - c.at
@@ -139,10 +141,19 @@ class SLOModel:
 
     def observe_ttft(self, url: str, predicted: float, observed: float) -> None:
         """Updates an instance's TTFT correction from one response."""
+        self._observe(self._ttft, url, predicted, observed)
+
+    def observe_tpot(self, url: str, predicted: float, observed: float) -> None:
+        """Updates an instance's TPOT correction from one streamed response."""
+        self._observe(self._tpot, url, predicted, observed)
+
+    def _observe(
+        self, table: dict[str, _Correction], url: str, predicted: float, observed: float
+    ) -> None:
         if predicted <= 0 or observed <= 0:
             return
-        c = self._ttft.setdefault(url, _Correction())
-        current = self._factor(url)
+        c = table.setdefault(url, _Correction())
+        current = self._factor(table, url)
         raw = current * observed / predicted  # predicted already carried the current factor
         lo, hi = CORRECTION_BOUNDS
         c.factor = min(max(current + CORRECTION_WEIGHT * (raw - current), lo), hi)
@@ -150,4 +161,8 @@ class SLOModel:
 
     def correction(self, url: str) -> float:
         """Current TTFT correction factor of an instance."""
-        return self._factor(url)
+        return self._factor(self._ttft, url)
+
+    def tpot_correction(self, url: str) -> float:
+        """Current TPOT correction factor of an instance."""
+        return self._factor(self._tpot, url)

@@ -8,8 +8,12 @@
 * **Local hit.** Per instance, from the prefix index. A prefix that every instance holds (a shared
   system prompt) is no sign of a session, so the *session hit* is the best hit minus the hit all
   instances share.
-* **First turn** -> the least loaded instance, by predicted queueing delay
-  (``first_turn_balance``).
+* **First turn** -> the least loaded instance (``first_turn_balance``). Load is the request's
+  *cost* there: its predicted TTFT on that instance (prefill queued ahead, its own uncached
+  tokens, global-tier loading) times the requests the instance is serving plus one, since its
+  prefill delays every one of them (the decode steps of running requests wait for its chunks).
+  Predicted queueing delay alone ignores the decode batch it would slow down; request counts
+  ignore how much work each request is. Both are kept as ablations (measured in the README).
 * **Follow-up** -> the instance holding the most of it (or the session key's instance), if the SLO
   model predicts its TTFT and TPOT there within the SLOs (``stick``); otherwise migrate to the
   least loaded other instance, which loads the session's KV from the global tier instead of
@@ -24,7 +28,8 @@ Ties between equally loaded instances go to the one the balancing rule has picke
 the snapshot; ties between equal hits go to the first in the snapshot. Ablations:
 ``slo_gate=False`` always sticks, ``migration=False`` sticks even over the SLO,
 ``turn_detection=False`` treats every request as a follow-up (hit only), and
-``load_metric="requests"`` balances by request count instead of predicted delay.
+``load_metric="delay"`` balances by predicted queueing delay, ``load_metric="requests"`` by
+request count.
 """
 
 from __future__ import annotations
@@ -47,8 +52,9 @@ class SMetricConfig:
     slo_gate: bool = True
     migration: bool = True
     turn_detection: bool = True
-    load_metric: str = "delay"
-    """``delay`` (predicted queueing delay) or ``requests`` (in-flight count)."""
+    load_metric: str = "cost"
+    """``cost`` (predicted TTFT x (requests served + 1)), ``delay`` (predicted queueing delay) or
+    ``requests`` (in-flight count)."""
     max_sessions: int = 1_000_000
 
 
@@ -58,8 +64,8 @@ class SMetric:
     def __init__(self, config: object = None, profile: Profile | None = None) -> None:
         cfg = getattr(config, "smetric", None) or SMetricConfig()
         assert isinstance(cfg, SMetricConfig)
-        if cfg.load_metric not in ("delay", "requests"):
-            raise ValueError("load_metric must be 'delay' or 'requests'")
+        if cfg.load_metric not in ("cost", "delay", "requests"):
+            raise ValueError("load_metric must be 'cost', 'delay' or 'requests'")
         self.config = cfg
         self.slo = SLOModel(profile or load_profile(cfg.profile), cfg.slo)
         self._sessions: OrderedDict[str, str] = OrderedDict()
@@ -69,11 +75,29 @@ class SMetric:
 
     # ---- load ----------------------------------------------------------------------------
 
-    def _least_loaded(self, cluster: ClusterView, exclude: int = -1) -> int:
+    def _least_loaded(self, req: RequestView, cluster: ClusterView, exclude: int = -1) -> int:
         ws = cluster.workers
         idx = [i for i in range(len(ws)) if i != exclude] or [exclude]
         picks = self._picks
-        if self.config.load_metric == "requests":
+        if self.config.load_metric == "cost":
+            # Hit-blind, as balancing should be: every instance is costed as if it held none of
+            # the request and loaded what the global tier holds.
+            glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), req.prompt_tokens)
+            predict = self.slo.predict_ttft_s
+            ttft = [
+                predict(ws[i].url, ws[i].queued_prefill_tokens, req.prompt_tokens, 0, glob)
+                for i in idx
+            ]
+            j = min(
+                range(len(idx)),
+                key=lambda j: (
+                    ttft[j] * (ws[idx[j]].in_flight + 1),
+                    ws[idx[j]].in_flight,
+                    picks.get(ws[idx[j]].url, 0),
+                ),
+            )
+            i = idx[j]
+        elif self.config.load_metric == "requests":
             i = min(
                 idx,
                 key=lambda i: (
@@ -137,12 +161,12 @@ class SMetric:
 
         if first:
             return self._with_prediction(
-                req, cluster, self._least_loaded(cluster), "first_turn_balance"
+                req, cluster, self._least_loaded(req, cluster), "first_turn_balance"
             )
         cand = home if home is not None else best
         if home is None and session_blocks == 0:
             return self._with_prediction(
-                req, cluster, self._least_loaded(cluster), "follow_up_no_hit_balance"
+                req, cluster, self._least_loaded(req, cluster), "follow_up_no_hit_balance"
             )
         if not self.config.slo_gate:
             return self._with_prediction(req, cluster, cand, "stick")
@@ -150,17 +174,17 @@ class SMetric:
         ttft, tpot = self._predict_at(req, cluster, cand)
         ttft_slo, tpot_slo = self.slo.ttft_slo_s(req.prompt_tokens), self.slo.tpot_slo_s
         if ttft <= ttft_slo and tpot <= tpot_slo:
-            return Decision(cand, "stick", ttft)
+            return Decision(cand, "stick", ttft, tpot)
         if not self.config.migration or len(ws) == 1:
-            return Decision(cand, "stick_over_slo", ttft)
-        target = self._least_loaded(cluster, exclude=cand)
+            return Decision(cand, "stick_over_slo", ttft, tpot)
+        target = self._least_loaded(req, cluster, exclude=cand)
         t_ttft, t_tpot = self._predict_at(req, cluster, target)
         if t_ttft <= ttft_slo and t_tpot <= tpot_slo:
-            return Decision(target, "migrate_slo", t_ttft)
+            return Decision(target, "migrate_slo", t_ttft, t_tpot)
         # Nobody meets the SLO: the faster of the two (TTFT first, then TPOT).
         if (t_ttft, t_tpot) < (ttft, tpot):
-            return Decision(target, "migrate_over_slo", t_ttft)
-        return Decision(cand, "stick_over_slo", ttft)
+            return Decision(target, "migrate_over_slo", t_ttft, t_tpot)
+        return Decision(cand, "stick_over_slo", ttft, tpot)
 
     def _predict_at(self, req: RequestView, cluster: ClusterView, i: int) -> tuple[float, float]:
         """Predicted (TTFT, TPOT) on instance ``i``: what it holds locally, the rest of what the
@@ -175,11 +199,16 @@ class SMetric:
     def _with_prediction(
         self, req: RequestView, cluster: ClusterView, i: int, reason: str
     ) -> Decision:
-        """A decision made without the SLO model still carries its TTFT prediction, so every
-        response can correct the model."""
-        return Decision(i, reason, self._predict_at(req, cluster, i)[0])
+        """A decision made without the SLO gate still carries its predictions, so every response
+        can correct the model."""
+        return Decision(i, reason, *self._predict_at(req, cluster, i))
 
     def observe(self, url: str, decision: Decision, ttft_s: float | None) -> None:
         """What the chosen worker did: corrects the SLO model's TTFT for that instance."""
         if ttft_s is not None and decision.predicted_ttft_s is not None:
             self.slo.observe_ttft(url, decision.predicted_ttft_s, ttft_s)
+
+    def observe_tpot(self, url: str, decision: Decision, tpot_s: float) -> None:
+        """The mean time between the chosen worker's streamed tokens: corrects its TPOT."""
+        if decision.predicted_tpot_s is not None:
+            self.slo.observe_tpot(url, decision.predicted_tpot_s, tpot_s)

@@ -42,6 +42,8 @@ log = logging.getLogger("smetric.router")
 
 DEFAULT_WORKER_TOKENS = 1_000_000
 """KV tokens assumed for a worker that does not report ``max_total_num_tokens``."""
+MIN_TPOT_EVENTS = 8
+"""Streams shorter than this teach the TPOT correction nothing (see ``_observe_tpot``)."""
 ROUTES = {"/generate": "generate", "/v1/chat/completions": "chat", "/v1/completions": "completions"}
 
 
@@ -444,6 +446,15 @@ class Router:
         if self.config.global_tier:
             self.index.insert(GLOBAL_TIER, view.key.keys)
 
+    def _observe_tpot(self, worker: Worker, decision: Decision, events: int, span_s: float) -> None:
+        """A stream's mean time between tokens, reported to the policy. The first event is the
+        first token; the last ones may carry only the finish reason or usage, which makes the
+        mean a little short, hence only streams of ``MIN_TPOT_EVENTS`` or more count."""
+        observe = getattr(self.policy, "observe_tpot", None)
+        if observe is None or events < MIN_TPOT_EVENTS or self.config.pd_disaggregation:
+            return
+        observe(worker.url, decision, span_s / (events - 1) * worker.time_scale)
+
     async def _forward(
         self,
         request: web.Request,
@@ -511,16 +522,25 @@ class Router:
                     )
                 resp = web.StreamResponse(status=up.status, headers=out_headers)
                 resp.content_type = ctype.split(";")[0]
+                # SSE events seen and when the first and last came, for the TPOT correction.
+                events, t_first, t_last = 0, 0.0, 0.0
                 async for chunk in up.content.iter_any():
                     if not sent:
                         await _downstream(resp.prepare(request))
                         sent = True
                     first_token(not self.config.pd_disaggregation)
+                    n = chunk.count(b"data: {")
+                    if n:
+                        t_last = time.perf_counter()
+                        if not events:
+                            t_first = t_last
+                        events += n
                     await _downstream(resp.write(chunk))
                 if not sent:
                     await _downstream(resp.prepare(request))
                 worker.record_success(c.cb_success_threshold)
                 await _downstream(resp.write_eof())
+                self._observe_tpot(worker, decision, events, t_last - t_first)
                 return resp
         except ClientGone:
             log.info("client gone rid=%s worker=%s", rid, worker.url)

@@ -80,7 +80,7 @@ class RouterConfig:
     slo_gate: bool = True
     migration: bool = True
     turn_detection: bool = True
-    load_metric: str = "delay"
+    load_metric: str = "cost"
     global_tier_blocks: int = 4_000_000
     """Capacity of the modelled global tier, in 64-byte text blocks (~75 M tokens)."""
 
@@ -284,9 +284,10 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--load-metric",
-        choices=["delay", "requests"],
-        default="delay",
-        help="how SMetric measures load (ablation: requests)",
+        choices=["cost", "delay", "requests"],
+        default="cost",
+        help="how SMetric measures load: cost (default: predicted TTFT there x the requests it "
+        "would delay), or the ablations delay (predicted queueing delay) and requests",
     )
     for flag, nargs in IGNORED_FLAGS.items():
         kw: dict[str, object] = {"help": argparse.SUPPRESS, "default": None}

@@ -71,6 +71,40 @@ def output_tokens(turn: Turn) -> int:
     return max(1, round(len(turn.output_text.encode()) / 3.4))
 
 
+def replicate(sessions: list[Session], copies: int) -> list[Session]:
+    """``copies`` copies of every session, interleaved (copy c of session i comes after copy c
+    of every earlier session), for loads larger than a trace's sessions can make on their own.
+    A copy keeps the system prompt and the tools, which real sessions share, and gets a tag in
+    front of its first non-system message, so its conversation shares no cache with the
+    original's beyond that shared opening."""
+    if copies < 1:
+        raise ValueError("copies must be >= 1")
+    if copies == 1:
+        return list(sessions)
+    out = []
+    for c in range(copies):
+        for s in sessions:
+            if c == 0:
+                out.append(s)
+                continue
+            tag = f"[session copy {c}] "
+            turns = [
+                Turn(_tag_first_non_system(t.messages, tag), t.output_text, t.tool_time_s)
+                for t in s.turns
+            ]
+            out.append(Session(f"{s.session_id}~{c}", s.tools, turns))
+    return out
+
+
+def _tag_first_non_system(messages: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
+    out = list(messages)
+    for j, m in enumerate(out):
+        if m.get("role") != "system" and isinstance(m.get("content"), str):
+            out[j] = {**m, "content": tag + m["content"]}
+            break
+    return out
+
+
 def sim_requests(
     sessions: list[Session], start_gap_s: float = 1.0, think_s: float = 1.0
 ) -> list[Any]:
