@@ -600,6 +600,17 @@ def test_streamed_responses_correct_smetrics_tpot_model_from_what_workers_show()
     assert all(0.8 <= f <= 1.1 for f in factors), factors
 
 
+def test_queued_prefill_in_the_view_counts_what_the_worker_got_through_since_it_began():
+    from smetric.router.workers import Worker
+
+    w = Worker("http://w", queued_prefill_tokens=10_000, prefill_since=100.0)
+    assert w.view(0).queued_prefill_tokens == 10_000  # no rate: the raw count
+    assert w.view(0, 100.1, 30_000.0).queued_prefill_tokens == 7_000
+    assert w.view(0, 101.0, 30_000.0).queued_prefill_tokens == 0  # late, not negative
+    w.time_scale = 2.0  # an emulated worker running twice as fast gets through twice as much
+    assert w.view(0, 100.1, 30_000.0).queued_prefill_tokens == 4_000
+
+
 def test_smetric_flags_parse_and_validate():
     c = parse_config(
         [

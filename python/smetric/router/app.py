@@ -24,6 +24,7 @@ from aiohttp import web
 
 from smetric import GLOBAL_TIER, PrefixIndex
 from smetric.cluster import ClusterView, Decision
+from smetric.perf import load_profile
 from smetric.policies import Policy, PolicyConfig, SMetricConfig, make_policy
 from smetric.prom import Histogram, render_families
 from smetric.request import (
@@ -106,6 +107,10 @@ class Router:
         self.index = PrefixIndex(
             global_capacity_blocks=config.global_tier_blocks if config.global_tier else None
         )
+        # Prefill a worker gets through per second (model time, 8,192-token chunks), to count
+        # the part of its queue done since its current prefill began (see ``_snapshot``).
+        chunk = 8192
+        self._prefill_tokens_per_s = chunk / load_profile(config.profile).prefill_time_s(chunk)
         self.workers: dict[str, Worker] = {}
         self._order: list[str] = []
         """The index's instances in match-result order, kept as workers come and go."""
@@ -346,8 +351,9 @@ class Router:
     def _snapshot(self, view: RequestView, workers: list[Worker]) -> ClusterView:
         match = self.index.match(view.key.keys, touch=False)
         hits = dict(zip(self._order, match.blocks, strict=True))
+        now, rate = time.monotonic(), self._prefill_tokens_per_s
         return ClusterView(
-            tuple(w.view(hits.get(w.url, 0)) for w in workers),
+            tuple(w.view(hits.get(w.url, 0), now, rate) for w in workers),
             match.global_blocks,
             len(view.key.keys),
             view.key.block_tokens,
@@ -432,6 +438,8 @@ class Router:
 
     def _dispatch(self, worker: Worker, view: RequestView, hit: int) -> int:
         uncached = view.prompt_tokens - hit
+        if worker.queued_prefill_tokens <= 0:
+            worker.prefill_since = time.monotonic()
         worker.in_flight += 1
         worker.requests_total += 1
         worker.queued_prefill_tokens += uncached
@@ -478,6 +486,7 @@ class Router:
             if not prefilled:
                 prefilled = True
                 worker.queued_prefill_tokens -= uncached
+                worker.prefill_since = time.monotonic()  # the next queued prefill starts now
                 worker.running_decode_tokens += view.prompt_tokens
                 self.ttft.observe(time.perf_counter() - t0)
                 observe = getattr(self.policy, "observe", None)

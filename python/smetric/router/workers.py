@@ -33,6 +33,9 @@ class Worker:
     # The router's own accounting, updated at dispatch, first token and finish.
     in_flight: int = 0
     queued_prefill_tokens: int = 0
+    prefill_since: float = 0.0
+    """When the worker began the prefill at the head of its queue (dispatch to an empty queue,
+    or the last first token), on the monotonic clock."""
     running_decode_tokens: int = 0
     # What the worker last reported (/v1/loads or /get_load).
     polled_running: int = 0
@@ -74,14 +77,22 @@ class Worker:
 
     # ---- the view policies get -----------------------------------------------------------
 
-    def view(self, local_hit_blocks: int) -> WorkerView:
+    def view(
+        self, local_hit_blocks: int, now: float = 0.0, prefill_tokens_per_s: float = 0.0
+    ) -> WorkerView:
         # Own accounting is instant; what the worker reports also counts traffic that did not
         # come through this router. The larger of the two is the better guess.
         polled_total = self.polled_running + self.polled_waiting
+        queued = self.queued_prefill_tokens
+        if queued > 0 and prefill_tokens_per_s > 0:
+            # Queued prefill leaves only at a first token, but the worker has been at it since
+            # ``prefill_since``: count what it has got through meanwhile as done.
+            done = (now - self.prefill_since) * self.time_scale * prefill_tokens_per_s
+            queued = max(queued - round(done), 0)
         return WorkerView(
             self.url,
             max(self.in_flight, polled_total),
-            self.queued_prefill_tokens,
+            queued,
             self.running_decode_tokens,
             self.polled_running,
             self.polled_waiting,
