@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 from smetric import __version__
@@ -105,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         default=["smetric", "lmetric", "cache_aware", "kv_cost", "least_load"],
     )
     sw.add_argument("--no-global-tier", action="store_true")
+    sw.add_argument(
+        "--out", metavar="DIR", default=None, help="also write DIR/sweep.json (smetric report)"
+    )
     args = parser.parse_args(argv)
     if args.command == "sweep":
         return _sweep(parser, args)
@@ -203,6 +207,8 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"unknown policies: {', '.join(unknown)}")
     if args.workers < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--workers and --limit must be >= 1")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out}: not a directory")
     try:
         profile = load_profile(args.profile)
     except ValueError as e:
@@ -241,6 +247,19 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name, peak in peaks.items():
         ratio = f"{peak / best:.3f}x" if best else "-"
         print(f"{name:<12} {peak:>19.0f} {ratio:>17}")
+    if args.out:
+        from smetric.workload.sweep import write_sweep
+
+        source = os.path.basename(args.path) if args.path else "bundled tau-bench airline slice"
+        workload = {
+            "name": f"{args.trace}: {source}" + (f", first {args.limit}" if args.limit else ""),
+            "trace": args.trace,
+            "path": args.path,
+            "limit": args.limit,
+            "requests": len(requests),
+        }
+        written = write_sweep(args.out, workload, requests, results, profile, args.workers, tier)
+        print(f"wrote {written}")
     return 0
 
 
