@@ -126,7 +126,9 @@ def load_hash_trace(path: str | Path, limit: int | None = None) -> list[TraceRow
                     f"(one per {HASH_BLOCK_TOKENS}-token block expected)"
                 )
             rows.append(TraceRow(float(raw["timestamp"]) / 1000.0, n_in, n_out, tuple(ids)))
-        except (KeyError, TypeError, ValueError) as e:
+        except KeyError as e:
+            raise ValueError(f"{path}:{lineno}: not a hash-id trace row (no {e} field)") from e
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{path}:{lineno}: not a hash-id trace row ({e})") from e
         if limit is not None and len(rows) >= limit:
             break
