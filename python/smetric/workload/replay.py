@@ -7,6 +7,9 @@ worker) and measuring what the client sees.
 * Hash-id traces (Mooncake: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of
   512-token blocks): each row at its timestamp, as a streaming ``/v1/completions`` whose prompt is
   one deterministic text block per hash id, so rows sharing ids share their prompt's prefix.
+  ``/v1/completions`` rather than SGLang's ``/generate``: every endpoint here serves it (SGLang,
+  sglang-router, our router, vLLM) and its usage reports cached prompt tokens (SGLang does with
+  ``--enable-cache-report``).
 
 Times are model seconds: with ``time_scale`` T (an emulator running T times faster than real
 time) waits are divided by T and measured latencies multiplied by it. A load ``scale`` F makes
