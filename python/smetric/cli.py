@@ -283,7 +283,12 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(str(e))
     if not workload:
         parser.error("nothing to replay: the workload is empty")
-    slo = SLOModel(profile, SLOConfig(args.ttft_slo_scale, args.ttft_slo_ms, args.tpot_slo_ms))
+    config = SLOConfig(
+        ttft_slo_scale=args.ttft_slo_scale,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+    )
+    slo = SLOModel(profile, config)
 
     async def go() -> dict[str, Any]:
         await check_reachable(url)
