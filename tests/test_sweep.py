@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
 from smetric import BlockKeys
 from smetric.cli import main
-from smetric.perf import PRESETS
-from smetric.sim import SimRequest
-from smetric.workload.sweep import peak_tps, scale_arrivals, sweep
+from smetric.perf import DEFAULT_PROFILE, PRESETS
+from smetric.sim import RequestResult, SimRequest, SimResult
+from smetric.slo import SLOModel
+from smetric.workload.sweep import (
+    SWEEP_FORMAT,
+    Point,
+    common_factor,
+    evaluate,
+    peak_tps,
+    scale_arrivals,
+    sweep,
+)
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
 
@@ -60,3 +72,76 @@ def test_cli_sweep_on_the_bundled_sessions(capsys):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2
+
+
+def test_a_point_carries_latency_percentiles_decisions_migrations_and_load_imbalance():
+    ttfts, tpots = [0.1, 0.2, 0.3, 0.4], [0.01, 0.02, 0.03, 0.04]
+    ok = [
+        RequestResult(f"r{i}", "w0" if i < 3 else "w1", 0.0, ttft, tpot, 1.0, 1000, 10, 500, 100)
+        for i, (ttft, tpot) in enumerate(zip(ttfts, tpots, strict=True))
+    ]
+    failed = RequestResult("r4", "", 0.0, None, None, None, 1000, 0, 0, 0, error="too large")
+    decisions = {"stick": 2, "migrate_slo": 1, "migrate_over_slo": 1, "first_turn_balance": 1}
+    result = SimResult([*ok, failed], {"w0": [], "w1": [], "w2": []}, 2.0, 0.0, 0, decisions)
+    slo = SLOModel(PROFILE)
+    p = evaluate("smetric", 2.0, result, slo)
+    assert (p.requests, p.errors) == (5, 1)
+    assert (p.ttft_p50_s, p.ttft_p90_s, p.ttft_p99_s) == (ttfts[1], ttfts[2], ttfts[2])
+    assert p.tpot_p50_s == tpots[1] and p.tpot_p99_s == tpots[2]
+    met = [t <= slo.ttft_slo_s(1000) for t in ttfts]
+    assert p.ttft_attainment == sum(met) / 5 and p.slo_attainment == sum(met) / 5
+    assert p.decisions == decisions and p.migrations == 2
+    # Prompt tokens served: w0 3000, w1 1000, w2 none; the mean is 4000 / 3.
+    assert p.load_imbalance == pytest.approx(3000 / (4000 / 3))
+    assert (p.local_hit, p.global_hit) == (0.5, 0.1)
+    assert p.tps == pytest.approx(4 * 1010 / 2.0)
+
+
+def test_the_common_load_is_the_highest_every_policy_met_else_the_lowest_run():
+    def pt(policy: str, factor: float, meets: bool) -> Point:
+        return Point(policy, factor, 1.0, 1.0, 1.0, 0.1, 0.0, 0.0, meets)
+
+    met = {
+        "a": [pt("a", 1.0, True), pt("a", 2.0, True), pt("a", 3.0, True), pt("a", 4.0, False)],
+        "b": [pt("b", 1.0, True), pt("b", 2.0, True), pt("b", 3.0, False)],
+    }
+    assert common_factor(met) == 2.0
+    assert common_factor({**met, "c": [pt("c", 1.0, False)]}) == 1.0
+
+
+def test_cli_sweep_out_writes_every_point_and_the_load_over_time_at_the_common_load(tmp_path):
+    argv = ["sweep", "--limit", "3", "--workers", "2", "--policies", "smetric", "least_load"]
+    assert main([*argv, "--out", str(tmp_path / "sw")]) == 0
+
+    def no_infinity(token: str) -> None:
+        raise AssertionError(f"{token} in sweep.json")
+
+    doc = json.loads((tmp_path / "sw" / "sweep.json").read_text(), parse_constant=no_infinity)
+    assert doc["format"] == SWEEP_FORMAT
+    assert doc["workload"]["trace"] == "agents" and doc["workload"]["limit"] == 3
+    assert doc["workers"] == 2 and doc["profile"] == PRESETS[DEFAULT_PROFILE].name
+    assert doc["global_tier"]["capacity_tokens"] > 0
+    assert doc["slo"] == {
+        "ttft_slo_scale": 5.0,
+        "ttft_slo_ms": None,
+        "tpot_slo_ms": 100.0,
+        "attainment": 0.9,
+    }
+    assert list(doc["policies"]) == ["smetric", "least_load"]
+    fields = {f.name for f in dataclasses.fields(Point)}
+    requests = doc["workload"]["requests"]
+    for name, entry in doc["policies"].items():
+        points = entry["points"]
+        assert all(set(p) == fields and p["policy"] == name for p in points)
+        assert all(sum(p["decisions"].values()) == requests for p in points)
+        assert entry["peak_tps"] == max(p["tps"] for p in points if p["meets_slo"])
+        assert doc["common_factor"] in {p["factor"] for p in points if p["meets_slo"]}
+        series = entry["load_over_time"]
+        assert set(series["instances"]) == {"w0", "w1"} and series["t_s"]
+        for samples in series["instances"].values():
+            assert all(len(v) == len(series["t_s"]) for v in samples.values())
+        busiest = max(sum(s["running"]) for s in series["instances"].values())
+        assert busiest > 0
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--out", str(tmp_path / "sw" / "sweep.json")])  # a file, not a folder
+    assert e.value.code == 2

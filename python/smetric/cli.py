@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
+from typing import Any
 
 from smetric import __version__
 from smetric.perf import DEFAULT_PROFILE, PRESETS, load_profile
@@ -105,9 +107,61 @@ def main(argv: list[str] | None = None) -> int:
         default=["smetric", "lmetric", "cache_aware", "kv_cost", "least_load"],
     )
     sw.add_argument("--no-global-tier", action="store_true")
+    sw.add_argument(
+        "--out", metavar="DIR", default=None, help="also write DIR/sweep.json (smetric report)"
+    )
+    rp = sub.add_parser(
+        "replay",
+        help="replay agent sessions or a Mooncake trace against an HTTP endpoint and measure "
+        "TTFT, TPOT, TPS and SLO attainment",
+        description="Sends agent sessions (streaming /v1/chat/completions with tools, each turn "
+        "after the previous answer plus its tool or think time) or Mooncake trace rows "
+        "(streaming /v1/completions at their timestamps, one deterministic text block per hash "
+        "id) to any SGLang-compatible endpoint: the smetric router, sglang-router, one worker.",
+    )
+    rp.add_argument("--url", required=True, help="the endpoint, e.g. http://127.0.0.1:30000")
+    rp.add_argument("--trace", choices=["agents", "mooncake"], default="agents")
+    rp.add_argument(
+        "--path", default=None, help="agent sessions (default: the bundled slice) or trace JSONL"
+    )
+    rp.add_argument("--limit", type=int, default=None, help="the first N sessions / rows")
+    rp.add_argument("--scale", type=float, default=1.0, help="load factor: arrivals N times faster")
+    rp.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="the endpoint runs this many times faster than real time (an emulator's "
+        "--time-scale); latencies are reported in its model seconds",
+    )
+    rp.add_argument(
+        "--seed", type=int, default=0, help="seeds think times of turns with no recorded one"
+    )
+    rp.add_argument(
+        "--start-gap-s", type=float, default=2.0, help="agents: seconds between session starts"
+    )
+    rp.add_argument("--model", default="default", help="the model field of each request")
+    rp.add_argument("--out", default="replay.jsonl", help="per-request results (JSONL)")
+    rp.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help="profile whose idle TTFT sets each request's TTFT SLO",
+    )
+    rp.add_argument("--ttft-slo-scale", type=float, default=5.0)
+    rp.add_argument("--ttft-slo-ms", type=float, default=None)
+    rp.add_argument("--tpot-slo-ms", type=float, default=100.0)
+    rep = sub.add_parser(
+        "report",
+        help="markdown table and PNG plots from sweep.json files (smetric sweep --out)",
+    )
+    rep.add_argument("dir", help="where report.md and the plots go; its sweep.json is read")
+    rep.add_argument("more", nargs="*", help="more sweep.json files, or folders holding one")
     args = parser.parse_args(argv)
     if args.command == "sweep":
         return _sweep(parser, args)
+    if args.command == "replay":
+        return _replay(parser, args)
+    if args.command == "report":
+        return _report(parser, args)
     if args.command == "emulate":
         return _emulate(parser, args)
     if args.command == "demo":
@@ -195,6 +249,87 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import asyncio
+
+    from smetric.slo import SLOConfig, SLOModel
+    from smetric.workload.replay import check_reachable, format_summary, replay_to_file
+
+    url = args.url.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        parser.error("--url must start with http:// or https://")
+    if args.scale <= 0 or args.time_scale <= 0 or args.start_gap_s < 0:
+        parser.error("--scale and --time-scale must be > 0, --start-gap-s >= 0")
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit must be >= 1")
+    if args.ttft_slo_scale <= 0 or args.tpot_slo_ms <= 0 or (args.ttft_slo_ms or 1) <= 0:
+        parser.error("SLOs must be > 0")
+    try:
+        profile = load_profile(args.profile)
+        if args.trace == "mooncake":
+            from smetric.workload.replay import load_hash_trace
+
+            if not args.path:
+                parser.error("--trace mooncake needs --path")
+            workload: list[Any] = list(load_hash_trace(args.path, args.limit))
+            what = f"{len(workload)} trace rows"
+        else:
+            from smetric.workload.agents import load_sessions
+
+            workload = list(load_sessions(args.path, args.limit))
+            turns = sum(len(s.turns) for s in workload)
+            what = f"{len(workload)} agent sessions ({turns} requests)"
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    if not workload:
+        parser.error("nothing to replay: the workload is empty")
+    config = SLOConfig(
+        ttft_slo_scale=args.ttft_slo_scale,
+        ttft_slo_ms=args.ttft_slo_ms,
+        tpot_slo_ms=args.tpot_slo_ms,
+    )
+    slo = SLOModel(profile, config)
+
+    async def go() -> dict[str, Any]:
+        await check_reachable(url)
+        print(f"replaying {what} against {url} (x{args.scale:g} load)", flush=True)
+        with open(args.out, "w", encoding="utf-8") as out:
+            return await replay_to_file(
+                url,
+                workload,
+                out,
+                slo,
+                scale=args.scale,
+                time_scale=args.time_scale,
+                seed=args.seed,
+                start_gap_s=args.start_gap_s,
+                model=args.model,
+            )
+
+    try:
+        summary = asyncio.run(go())
+    except (ConnectionError, OSError) as e:
+        print(f"smetric replay: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    print(f"wrote {args.out}")
+    return 0 if summary["errors"] == 0 else 1
+
+
+def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from smetric.report import write_report
+
+    own = os.path.join(args.dir, "sweep.json")
+    sweeps = ([own] if os.path.exists(own) else []) + args.more
+    if not sweeps:
+        parser.error(f"no sweep.json in {args.dir} and no other sweeps given")
+    try:
+        print(f"wrote {write_report(args.dir, sweeps)}")
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
+    return 0
+
+
 def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from smetric.policies import POLICIES
     from smetric.workload.sweep import Point, peak_tps, sweep
@@ -203,6 +338,8 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"unknown policies: {', '.join(unknown)}")
     if args.workers < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--workers and --limit must be >= 1")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out}: not a directory")
     try:
         profile = load_profile(args.profile)
     except ValueError as e:
@@ -241,6 +378,19 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     for name, peak in peaks.items():
         ratio = f"{peak / best:.3f}x" if best else "-"
         print(f"{name:<12} {peak:>19.0f} {ratio:>17}")
+    if args.out:
+        from smetric.workload.sweep import write_sweep
+
+        source = os.path.basename(args.path) if args.path else "bundled tau-bench airline slice"
+        workload = {
+            "name": f"{args.trace}: {source}" + (f", first {args.limit}" if args.limit else ""),
+            "trace": args.trace,
+            "path": args.path,
+            "limit": args.limit,
+            "requests": len(requests),
+        }
+        written = write_sweep(args.out, workload, requests, results, profile, args.workers, tier)
+        print(f"wrote {written}")
     return 0
 
 

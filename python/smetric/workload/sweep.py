@@ -6,19 +6,29 @@ TTFT SLO (k x their TTFT alone on an idle instance, k = 5) and at least 90% have
 the TPOT SLO (100 ms). TPS = prompt + output tokens served / the run's makespan. The sweep raises
 f along a geometric ladder, bisects between the last load that met the SLO and the first that did
 not, and reports the highest TPS among the runs that met the SLO.
+
+``write_sweep`` saves a sweep as JSON (``sweep.json``, read by ``smetric report``): every point,
+and, at one load all policies ran (the highest factor every policy met, else the first step), each
+policy's per-instance load over time.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 from smetric.engine import GlobalTierConfig
 from smetric.perf import Profile
 from smetric.policies import make_policy
 from smetric.sim import SimRequest, SimResult, policy_route, simulate
-from smetric.slo import SLOModel
+from smetric.slo import SLOConfig, SLOModel
 
+ATTAINMENT = 0.9
+"""Share of requests that must meet each SLO for a run to count as under SLO (P90)."""
 LADDER = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 
 
@@ -33,6 +43,27 @@ class Point:
     local_hit: float
     global_hit: float
     meets_slo: bool
+    requests: int = 0
+    errors: int = 0
+    slo_attainment: float = 0.0
+    """Share of requests meeting both their TTFT SLO and the TPOT SLO."""
+    ttft_p50_s: float = math.inf
+    ttft_p99_s: float = math.inf
+    tpot_p50_s: float = math.inf
+    tpot_p90_s: float = math.inf
+    tpot_p99_s: float = math.inf
+    decisions: dict[str, int] = field(default_factory=dict)
+    """Routing decisions by reason."""
+    migrations: int = 0
+    """Decisions whose reason starts with ``migrate``."""
+    load_imbalance: float = 1.0
+    """Max over mean of the prompt tokens each instance served (1 = even)."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The value at rank ``int(q * (n - 1))`` of the sorted values (inf when there are none)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))] if ordered else math.inf
 
 
 def scale_arrivals(requests: Sequence[SimRequest], factor: float) -> list[SimRequest]:
@@ -47,27 +78,61 @@ def scale_arrivals(requests: Sequence[SimRequest], factor: float) -> list[SimReq
 
 
 def evaluate(
-    policy: str, factor: float, result: SimResult, slo: SLOModel, attainment: float = 0.9
+    policy: str, factor: float, result: SimResult, slo: SLOModel, attainment: float = ATTAINMENT
 ) -> Point:
     ok = result.ok()
     n = max(len(result.requests), 1)
-    ttft_met = sum(
-        1 for r in ok if r.ttft_s is not None and r.ttft_s <= slo.ttft_slo_s(r.prompt_tokens)
-    )
-    tpot_met = sum(1 for r in ok if (r.tpot_s or 0.0) <= slo.tpot_slo_s)
-    ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    ttft_ok = {
+        r.rid for r in ok if r.ttft_s is not None and r.ttft_s <= slo.ttft_slo_s(r.prompt_tokens)
+    }
+    tpot_ok = {r.rid for r in ok if (r.tpot_s or 0.0) <= slo.tpot_slo_s}
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     prompt = sum(r.prompt_tokens for r in ok) or 1
     tokens = sum(r.prompt_tokens + r.output_tokens for r in ok)
+    served = dict.fromkeys(result.load, 0)
+    for r in ok:
+        served[r.worker] = served.get(r.worker, 0) + r.prompt_tokens
+    mean_served = sum(served.values()) / max(len(served), 1)
     return Point(
         policy,
         factor,
         tokens / max(result.makespan_s, 1e-9),
-        ttft_met / n,
-        tpot_met / n,
-        ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else float("inf"),
+        len(ttft_ok) / n,
+        len(tpot_ok) / n,
+        percentile(ttfts, 0.9),
         sum(r.local_cached_tokens for r in ok) / prompt,
         sum(r.global_cached_tokens for r in ok) / prompt,
-        ttft_met / n >= attainment and tpot_met / n >= attainment,
+        len(ttft_ok) / n >= attainment and len(tpot_ok) / n >= attainment,
+        requests=len(result.requests),
+        errors=len(result.requests) - len(ok),
+        slo_attainment=len(ttft_ok & tpot_ok) / n,
+        ttft_p50_s=percentile(ttfts, 0.5),
+        ttft_p99_s=percentile(ttfts, 0.99),
+        tpot_p50_s=percentile(tpots, 0.5),
+        tpot_p90_s=percentile(tpots, 0.9),
+        tpot_p99_s=percentile(tpots, 0.99),
+        decisions=dict(sorted(result.decisions.items())),
+        migrations=sum(c for reason, c in result.decisions.items() if reason.startswith("migrate")),
+        load_imbalance=max(served.values()) / mean_served if mean_served else 1.0,
+    )
+
+
+def run_at(
+    requests: Sequence[SimRequest],
+    policy: str,
+    factor: float,
+    profile: Profile,
+    workers: int,
+    global_tier: GlobalTierConfig | None,
+) -> SimResult:
+    """One simulated run of ``policy`` at load factor ``factor`` (deterministic)."""
+    return simulate(
+        scale_arrivals(requests, factor),
+        policy_route(make_policy(policy)),
+        profile,
+        workers,
+        global_tier=global_tier,
     )
 
 
@@ -80,22 +145,17 @@ def sweep(
     ladder: Sequence[float] = LADDER,
     refine: int = 3,
     progress: Callable[[Point], None] | None = None,
+    slo_config: SLOConfig = SLOConfig(),
 ) -> dict[str, list[Point]]:
     """Climbs ``ladder`` until the SLO breaks, then bisects ``refine`` times between the last
     load that met it and the first that did not."""
-    slo = SLOModel(profile)
+    slo = SLOModel(profile, slo_config)
     out: dict[str, list[Point]] = {}
     for name in policies:
         points: list[Point] = []
 
         def run(factor: float, name: str = name, points: list[Point] = points) -> Point:
-            result = simulate(
-                scale_arrivals(requests, factor),
-                policy_route(make_policy(name)),
-                profile,
-                workers,
-                global_tier=global_tier,
-            )
+            result = run_at(requests, name, factor, profile, workers, global_tier)
             point = evaluate(name, factor, result, slo)
             points.append(point)
             if progress:
@@ -118,3 +178,92 @@ def sweep(
 
 def peak_tps(points: Sequence[Point]) -> float:
     return max((p.tps for p in points if p.meets_slo), default=0.0)
+
+
+def common_factor(results: dict[str, list[Point]]) -> float:
+    """The highest load factor every policy ran and met the SLO at; else the lowest factor run
+    (the ladder's first step, which every policy runs)."""
+    met = [{p.factor for p in points if p.meets_slo} for points in results.values()]
+    shared = set.intersection(*met) if met else set()
+    if shared:
+        return max(shared)
+    return min((p.factor for points in results.values() for p in points), default=1.0)
+
+
+def load_over_time(result: SimResult, max_samples: int = 300) -> dict[str, Any]:
+    """Per-instance load samples of a run, thinned evenly to at most ``max_samples``."""
+    first = next(iter(result.load.values()), [])
+    stride = max(1, math.ceil(len(first) / max_samples))
+    return {
+        "t_s": [s.t_s for s in first[::stride]],
+        "instances": {
+            name: {
+                "running": [s.running for s in samples[::stride]],
+                "waiting": [s.waiting for s in samples[::stride]],
+                "used_tokens": [s.used_tokens for s in samples[::stride]],
+                "queued_prefill_tokens": [s.queued_prefill_tokens for s in samples[::stride]],
+            }
+            for name, samples in result.load.items()
+        },
+    }
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no infinity: a metric with no data (inf) is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+SWEEP_FORMAT = "smetric-sweep/1"
+
+
+def write_sweep(
+    out_dir: str | Path,
+    workload: dict[str, Any],
+    requests: Sequence[SimRequest],
+    results: dict[str, list[Point]],
+    profile: Profile,
+    workers: int,
+    global_tier: GlobalTierConfig | None,
+    slo_config: SLOConfig = SLOConfig(),
+    ladder: Sequence[float] = LADDER,
+    refine: int = 3,
+) -> Path:
+    """Writes ``out_dir/sweep.json``; re-runs each policy at the common load (runs are
+    deterministic) for its per-instance load over time. Returns the file's path."""
+    factor = common_factor(results)
+    policies: dict[str, Any] = {}
+    for name, points in results.items():
+        run = run_at(requests, name, factor, profile, workers, global_tier)
+        policies[name] = {
+            "peak_tps": peak_tps(points),
+            "points": [asdict(p) for p in points],
+            "load_over_time": load_over_time(run),
+        }
+    doc = {
+        "format": SWEEP_FORMAT,
+        "workload": workload,
+        "workers": workers,
+        "profile": profile.name,
+        "global_tier": None if global_tier is None else asdict(global_tier),
+        "slo": {
+            "ttft_slo_scale": slo_config.ttft_slo_scale,
+            "ttft_slo_ms": slo_config.ttft_slo_ms,
+            "tpot_slo_ms": slo_config.tpot_slo_ms,
+            "attainment": ATTAINMENT,
+        },
+        "ladder": list(ladder),
+        "refine": refine,
+        "common_factor": factor,
+        "policies": policies,
+    }
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / "sweep.json"
+    path.write_text(json.dumps(_finite(doc), indent=1) + "\n", encoding="utf-8")
+    return path
