@@ -1,0 +1,176 @@
+"""The evaluation's workloads match their sources: Mooncake sessions rebuilt from hash ids, Bailian
+sessions from parent ids, and synthetic agent sessions fitted to real ones.
+
+Fixtures (tests/fixtures/NOTICE.md): the first 600 lines of the Mooncake conversation trace.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from smetric.perf import PRESETS
+from smetric.sim import SimRequest
+from smetric.workload.mooncake import load_mooncake, reconstruct_sessions
+from smetric.workload.sessions import idle_service_time
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MOONCAKE = FIXTURES / "mooncake_conversation_600.jsonl"
+BAILIAN = FIXTURES / "bailian_12.jsonl"
+PROFILE = PRESETS["qwen2.5-7b-h200"]
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def by_rid(requests: list[SimRequest]) -> dict[str, SimRequest]:
+    return {r.rid: r for r in requests}
+
+
+def check_sessions(requests: list[SimRequest], block_tokens: int, root_names: bool = True) -> None:
+    """Closed-loop requests: every follow-up extends its parent's keys (all but a partial last
+    block), is longer, and shares its parent's session, named after its first turn's rid
+    (``root_names``) and holding one first turn."""
+    rid = by_rid(requests)
+    firsts = Counter(r.session for r in requests if r.is_first_turn)
+    assert set(firsts.values()) == {1} and len(firsts) == len({r.session for r in requests})
+    for r in requests:
+        if r.after is None:
+            assert r.is_first_turn and r.arrival_s is not None
+            assert r.session == r.rid or not root_names
+            continue
+        parent = rid[r.after]
+        assert not r.is_first_turn and r.arrival_s is None and r.delay_s >= 0
+        assert r.session == parent.session
+        full = min(len(parent.keys), parent.prompt_tokens // block_tokens)
+        assert r.keys.common_prefix(parent.keys) >= full
+        assert r.prompt_tokens > parent.prompt_tokens
+
+
+# ---- Mooncake: sessions from hash ids -----------------------------------------------------------
+
+
+def reference_parents(raw: list[dict]) -> list[int | None]:
+    """The rule of ``reconstruct_sessions`` by brute force over lists: the earlier, shorter
+    request whose full blocks are the longest prefix of this one's ids, then the latest, unless
+    the deepest shared block already belongs to two sessions."""
+    parents: list[int | None] = []
+    roots: list[int] = []
+    sessions_through: dict[int, set[int]] = {}
+    for i, row in enumerate(raw):
+        ids = row["hash_ids"]
+        best = None
+        for p in range(i):
+            prev = raw[p]
+            full = prev["hash_ids"][: min(len(prev["hash_ids"]), prev["input_length"] // 512)]
+            if not full or ids[: len(full)] != full:
+                continue
+            if prev["input_length"] >= row["input_length"] or prev["timestamp"] >= row["timestamp"]:
+                continue
+            if len(sessions_through[full[-1]]) > 1:
+                continue
+            if best is None or len(full) >= best[0]:
+                best = (len(full), p)
+        parent = None if best is None else best[1]
+        parents.append(parent)
+        roots.append(i if parent is None else roots[parent])
+        for block in ids[: min(len(ids), row["input_length"] // 512)]:
+            sessions_through.setdefault(block, set()).add(roots[i])
+    return parents
+
+
+def test_mooncake_slice_loads_every_row_with_its_tokens_and_arrival_times():
+    raw = rows(MOONCAKE)
+    reqs = load_mooncake(MOONCAKE)
+    assert len(reqs) == len(raw) == 600
+    assert sum(r.prompt_tokens for r in reqs) == sum(x["input_length"] for x in raw)
+    assert sum(r.output_tokens for r in reqs) == sum(x["output_length"] for x in raw)
+    for r, x in zip(reqs, raw, strict=True):
+        assert r.arrival_s == x["timestamp"] / 1000 and len(r.keys) == len(x["hash_ids"])
+    assert [r.rid for r in load_mooncake(MOONCAKE, limit=5)] == [f"mc{i}" for i in range(5)]
+
+
+def test_mooncake_sessions_match_a_brute_force_reading_of_the_rule():
+    raw = rows(MOONCAKE)
+    parents = reconstruct_sessions(
+        [x["hash_ids"] for x in raw],
+        [x["input_length"] for x in raw],
+        [x["timestamp"] for x in raw],
+    )
+    assert parents == reference_parents(raw)
+
+
+def test_mooncake_slice_has_its_sessions_and_every_follow_up_extends_its_parent():
+    reqs = load_mooncake(MOONCAKE, closed_loop=True)
+    check_sessions(reqs, 512)
+    turns = Counter(Counter(r.session for r in reqs).values())
+    # About an eighth of this 4-minute slice continues an earlier request (a third over the
+    # hour: most conversations' next turns come minutes later).
+    assert sum(not r.is_first_turn for r in reqs) == 76
+    assert turns == {1: 459, 2: 56, 3: 7, 4: 2}
+
+
+def test_a_shared_system_prompt_alone_does_not_make_a_follow_up():
+    b = 512
+    ids = [
+        [0, 1, 2, 3],  # a conversation: system prompt 0, then its own blocks
+        [0, 4, 5],  # another: block 0 is now shared by two sessions
+        [0, 6],  # full blocks = the system prompt only
+        [0, 7, 8, 9],  # extends [0, 6]'s full blocks, but those are shared: a new session
+        [0, 1, 2, 3, 10],  # extends the first conversation's full blocks [0, 1, 2]
+    ]
+    lengths = [len(x) * b - 100 for x in ids]
+    assert reconstruct_sessions(ids, lengths, range(5)) == [None, None, None, None, 0]
+
+
+def test_the_longest_then_latest_earlier_turn_is_the_parent():
+    b = 512
+    ids = [
+        [0, 1, 2],  # turn 1
+        [0, 9, 8],  # another session, so that block 0 is shared
+        [0, 1, 2, 3, 4],  # turn 2 of the first
+        [0, 1, 2, 3, 5],  # turn 2 again (regenerated): same full blocks, later
+        [0, 1, 2, 3, 5, 6, 7],  # extends both turn 2s and turn 1: the latest, longest wins
+    ]
+    lengths = [len(x) * b - 10 for x in ids]
+    assert reconstruct_sessions(ids, lengths, range(5)) == [None, None, 0, 0, 3]
+    # a request no longer than its candidate, or not later, is not its next turn
+    assert reconstruct_sessions(ids[:3], [2000, 1000, 1500], range(3)) == [None, None, None]
+    assert reconstruct_sessions(ids[:3], lengths[:3], [0, 0, 0]) == [None, None, None]
+
+
+def test_mooncake_closed_loop_turns_wait_for_the_previous_answer_plus_the_think_time():
+    open_loop = by_rid(load_mooncake(MOONCAKE))
+    closed = load_mooncake(MOONCAKE, closed_loop=True)
+    estimate = idle_service_time(PROFILE)
+    served = by_rid(load_mooncake(MOONCAKE, closed_loop=True, service_time_s=estimate))
+    for r in closed:
+        o = open_loop[r.rid]
+        assert (r.session, r.is_first_turn) == (o.session, o.is_first_turn)
+        if r.after is None:
+            assert r.arrival_s == o.arrival_s
+            continue
+        parent = open_loop[r.after]
+        gap = o.arrival_s - parent.arrival_s
+        assert r.delay_s == pytest.approx(gap)
+        assert served[r.rid].delay_s == pytest.approx(max(0.0, gap - estimate(parent)))
+    assert 0 < estimate(open_loop["mc0"]) < 60
+
+
+def test_bad_mooncake_rows_are_rejected_with_their_line(tmp_path):
+    good = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+    for bad in (
+        '{"timestamp": 0}',
+        '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": ["x"]}',
+        "not json",
+    ):
+        path = tmp_path / "t.jsonl"
+        path.write_text(good + bad + "\n")
+        with pytest.raises(ValueError, match=r"t.jsonl:2: not a Mooncake trace row"):
+            load_mooncake(path)
+    with pytest.raises(ValueError, match="same length"):
+        reconstruct_sessions([[1]], [1, 2], [0])
