@@ -1,7 +1,8 @@
 """The evaluation's workloads match their sources: Mooncake sessions rebuilt from hash ids, Bailian
 sessions from parent ids, and synthetic agent sessions fitted to real ones.
 
-Fixtures (tests/fixtures/NOTICE.md): the first 600 lines of the Mooncake conversation trace.
+Fixtures (tests/fixtures/NOTICE.md): the first 600 lines of the Mooncake conversation trace, and a
+hand-written dozen rows in the Bailian format.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import pytest
 
 from smetric.perf import PRESETS
 from smetric.sim import SimRequest
+from smetric.workload.bailian import load_bailian
 from smetric.workload.mooncake import load_mooncake, reconstruct_sessions
 from smetric.workload.sessions import idle_service_time
 
@@ -174,3 +176,91 @@ def test_bad_mooncake_rows_are_rejected_with_their_line(tmp_path):
             load_mooncake(path)
     with pytest.raises(ValueError, match="same length"):
         reconstruct_sessions([[1]], [1, 2], [0])
+
+
+# ---- Bailian: sessions from parent_chat_id ------------------------------------------------------
+
+
+def test_bailian_fixture_loads_every_row_with_its_tokens_and_arrival_times():
+    raw = rows(BAILIAN)
+    reqs = load_bailian(BAILIAN)
+    assert len(reqs) == len(raw) == 12
+    assert sum(r.prompt_tokens for r in reqs) == sum(x["input_length"] for x in raw)
+    assert sum(r.output_tokens for r in reqs) == sum(x["output_length"] for x in raw)
+    rid = by_rid(reqs)
+    for x in raw:
+        r = rid[f"bl{x['chat_id']}"]
+        assert r.arrival_s == x["timestamp"] and len(r.keys) == len(x["hash_ids"])
+        assert r.block_tokens == 16
+    assert [r.arrival_s for r in reqs] == sorted(r.arrival_s or 0.0 for r in reqs)
+
+
+def test_bailian_sessions_follow_parent_chat_id():
+    reqs = load_bailian(BAILIAN, closed_loop=True)
+    check_sessions(reqs, 16)
+    sessions: dict[str, list[str]] = {}
+    for r in reqs:
+        sessions.setdefault(r.session or "", []).append(r.rid)
+    assert sessions == {
+        "bl101": ["bl101", "bl103", "bl106", "bl110"],
+        "bl102": ["bl102", "bl105", "bl112"],  # 102 has no parent_chat_id field
+        "bl104": ["bl104", "bl108"],  # 104's parent (55) is outside the trace window
+        "bl107": ["bl107", "bl109"],
+        "bl111": ["bl111"],
+    }
+    turn = {f"bl{x['chat_id']}": x["turn"] for x in rows(BAILIAN)}
+    rid = by_rid(reqs)
+    for r in reqs:
+        if r.after is not None:
+            assert turn[r.rid] == turn[r.after] + 1
+            # everything but the parent's padded last block carries over
+            assert r.keys[: len(rid[r.after].keys) - 1] == rid[r.after].keys[:-1]
+    assert rid["bl103"].delay_s == pytest.approx(9.87 - 0.512)
+
+
+def test_bailian_timestamps_in_milliseconds_when_the_file_says_so(tmp_path):
+    row = {
+        "chat_id": 1,
+        "parent_chat_id": -1,
+        "input_length": 20,
+        "output_length": 2,
+        "turn": 1,
+        "hash_ids": [7, 8],
+    }
+    path = tmp_path / "ms.jsonl"
+    path.write_text(json.dumps({**row, "timestamp_ms": 1500}) + "\n")
+    assert load_bailian(path)[0].arrival_s == 1.5
+    path.write_text(json.dumps({**row, "timestamp": 1500}) + "\n")
+    assert load_bailian(path, timestamp_unit="ms")[0].arrival_s == 1.5
+    assert load_bailian(path)[0].arrival_s == 1500.0
+    with pytest.raises(ValueError, match="timestamp_unit"):
+        load_bailian(path, timestamp_unit="h")  # type: ignore[arg-type]
+
+
+def test_bad_bailian_rows_are_rejected(tmp_path):
+    def row(cid: int, parent: int, ts: float, **kw: object) -> str:
+        r = {
+            "chat_id": cid,
+            "parent_chat_id": parent,
+            "timestamp": ts,
+            "input_length": 20,
+            "output_length": 2,
+            "turn": 1,
+            "hash_ids": [1, 2],
+            **kw,
+        }
+        return json.dumps(r) + "\n"
+
+    cases = {
+        "appears twice": row(1, -1, 0) + row(1, -1, 1),
+        "arrives before its parent": row(1, 2, 0) + row(2, -1, 5),
+        "itself as its parent": row(1, 1, 0),
+        "list of ints": row(1, -1, 0, hash_ids=[1.5]),
+        "input_length": row(1, -1, 0, input_length=0),
+        "KeyError": '{"chat_id": 1}\n',
+    }
+    for message, text in cases.items():
+        path = tmp_path / "b.jsonl"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_bailian(path)
