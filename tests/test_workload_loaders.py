@@ -7,15 +7,19 @@ hand-written dozen rows in the Bailian format.
 
 from __future__ import annotations
 
+import itertools
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from smetric.perf import PRESETS
-from smetric.sim import SimRequest
+from smetric.sim import SimRequest, least_loaded, simulate
+from smetric.workload.agents import load_sessions
 from smetric.workload.bailian import load_bailian
+from smetric.workload.generator import AgentWorkloadSpec, LogNormal, fit_spec, generate
 from smetric.workload.mooncake import load_mooncake, reconstruct_sessions
 from smetric.workload.sessions import idle_service_time
 
@@ -264,3 +268,85 @@ def test_bad_bailian_rows_are_rejected(tmp_path):
         path.write_text(text)
         with pytest.raises(ValueError, match=message):
             load_bailian(path)
+
+
+# ---- Generated agent sessions -------------------------------------------------------------------
+
+
+def test_default_spec_is_in_the_ballpark_of_the_bundled_real_sessions():
+    fitted, default = fit_spec(load_sessions()), AgentWorkloadSpec()
+    assert fitted.sessions == 24
+    assert fitted.system_prompt_tokens == default.system_prompt_tokens  # same airline policy
+    for name in ("turns", "first_user_tokens", "tool_output_tokens", "output_tokens"):
+        f, d = getattr(fitted, name), getattr(default, name)
+        assert 0.67 < f.median / d.median < 1.5, name
+        assert 0.67 < f.p90 / d.p90 < 1.5, name
+    assert fitted.tool_time_s == default.tool_time_s  # tau-bench records no times
+
+
+def test_same_seed_same_workload_and_another_seed_another():
+    spec = AgentWorkloadSpec(sessions=5)
+    assert generate(spec, 7) == generate(spec, 7)
+    a, b = generate(spec, 7), generate(spec, 8)
+    assert [r.keys for r in a] != [r.keys for r in b]
+    assert [r.prompt_tokens for r in a] != [r.prompt_tokens for r in b]
+
+
+def test_generated_turns_extend_the_previous_prompt_and_share_only_the_system_prompt():
+    spec = AgentWorkloadSpec(sessions=30)
+    reqs = generate(spec, 1)
+    rid = by_rid(reqs)
+    assert len(rid) == len(reqs)
+    check_sessions(reqs, spec.block_tokens, root_names=False)
+    system_blocks = spec.system_prompt_tokens // spec.block_tokens
+    firsts = [r for r in reqs if r.is_first_turn]
+    assert len(firsts) == 30
+    for a, b in itertools.pairwise(firsts):
+        assert a.keys.common_prefix(b.keys) == system_blocks
+        assert b.arrival_s is not None and a.arrival_s is not None and b.arrival_s >= a.arrival_s
+    for r in reqs:
+        assert len(r.keys) == r.prompt_tokens // spec.block_tokens  # whole blocks only
+        if r.after is not None:
+            parent = rid[r.after]
+            assert r.keys.common_prefix(parent.keys) == len(parent.keys)
+            assert r.prompt_tokens > parent.prompt_tokens + parent.output_tokens
+            assert spec.tool_time_s.lo <= r.delay_s <= spec.tool_time_s.hi
+
+
+def test_generated_workload_has_the_spec_statistics():
+    spec = AgentWorkloadSpec(sessions=400)
+    reqs = generate(spec, 3)
+    turns = list(Counter(r.session for r in reqs).values())
+    assert abs(statistics.median(turns) - spec.turns.median) <= 1
+    assert min(turns) >= spec.turns.lo and max(turns) <= spec.turns.hi
+    outputs = [r.output_tokens for r in reqs]
+    assert 0.85 < statistics.median(outputs) / spec.output_tokens.median < 1.15
+    delays = [r.delay_s for r in reqs if r.after is not None]
+    assert 0.85 < statistics.median(delays) / spec.tool_time_s.median < 1.15
+    starts = sorted(r.arrival_s for r in reqs if r.arrival_s is not None)
+    mean_gap = (starts[-1] - starts[0]) / (len(starts) - 1)
+    assert 0.8 < mean_gap / spec.session_gap_s < 1.2
+
+
+def test_a_generated_workload_replays_with_follow_ups_hitting_the_cache():
+    reqs = generate(AgentWorkloadSpec(sessions=6), 0)
+    res = simulate(reqs, least_loaded, PROFILE, workers=2)
+    assert len(res.requests) == len(reqs) and not [r for r in res.requests if r.error]
+    follow = {r.rid for r in reqs if not r.is_first_turn}
+    cached = sum(
+        r.local_cached_tokens + r.global_cached_tokens for r in res.requests if r.rid in follow
+    )
+    assert cached > 0.5 * sum(r.prompt_tokens for r in res.requests if r.rid in follow)
+
+
+def test_bad_specs_are_rejected():
+    with pytest.raises(ValueError):
+        AgentWorkloadSpec(sessions=0)
+    with pytest.raises(ValueError):
+        AgentWorkloadSpec(system_prompt_tokens=-1)
+    with pytest.raises(ValueError):
+        LogNormal(10, 5)
+    with pytest.raises(ValueError):
+        LogNormal.fit([])
+    with pytest.raises(ValueError):
+        fit_spec(load_sessions(limit=1))
