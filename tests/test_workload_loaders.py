@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from smetric.cli import main
 from smetric.perf import PRESETS
 from smetric.sim import SimRequest, least_loaded, simulate
 from smetric.workload.agents import load_sessions
@@ -350,3 +351,39 @@ def test_bad_specs_are_rejected():
         LogNormal.fit([])
     with pytest.raises(ValueError):
         fit_spec(load_sessions(limit=1))
+
+
+# ---- CLI ----------------------------------------------------------------------------------------
+
+
+def test_cli_sweeps_bailian_generated_and_closed_loop_mooncake(capsys):
+    base = ["sweep", "--policies", "least_load", "--workers", "2"]
+    assert main([*base, "--trace", "bailian", "--path", str(BAILIAN), "--closed-loop"]) == 0
+    assert main([*base, "--trace", "generated", "--sessions", "3", "--seed", "1"]) == 0
+    assert (
+        main(
+            [
+                *base,
+                "--trace",
+                "mooncake",
+                "--path",
+                str(MOONCAKE),
+                "--limit",
+                "40",
+                "--closed-loop",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "12 requests (bailian)" in out and "40 requests (mooncake)" in out
+    for bad in (
+        ["--trace", "bailian"],
+        ["--trace", "agents", "--closed-loop"],
+        ["--trace", "mooncake", "--path", str(MOONCAKE), "--sessions", "3"],
+        ["--trace", "generated", "--limit", "3"],
+        ["--trace", "bailian", "--path", str(MOONCAKE)],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main([*base, *bad])
+        assert e.value.code == 2
