@@ -92,13 +92,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     sw.add_argument(
         "--trace",
-        choices=["agents", "mooncake"],
+        choices=["agents", "mooncake", "bailian", "generated"],
         default="agents",
-        help="agents: agent-session JSONL (default: the bundled slice); mooncake: a "
-        "Mooncake trace (--path required)",
+        help="agents: agent-session JSONL (default: the bundled slice); mooncake, bailian: a "
+        "Mooncake / Alibaba Bailian trace (--path required); generated: synthetic agent "
+        "sessions (--sessions, --seed)",
     )
     sw.add_argument("--path", default=None)
     sw.add_argument("--limit", type=int, default=None, help="use the first N sessions / requests")
+    sw.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="mooncake, bailian: a next turn waits for its previous turn's answer, then the "
+        "trace's think time",
+    )
+    sw.add_argument("--sessions", type=int, default=None, help="generated: sessions (default 200)")
+    sw.add_argument("--seed", type=int, default=0, help="generated: random seed (default 0)")
     sw.add_argument("--workers", type=int, default=4)
     sw.add_argument("--profile", default=DEFAULT_PROFILE)
     sw.add_argument(
@@ -344,12 +353,29 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     except ValueError as e:
         parser.error(str(e))
-    if args.trace == "mooncake":
+    if args.closed_loop and args.trace not in ("mooncake", "bailian"):
+        parser.error("--closed-loop is for --trace mooncake or bailian")
+    if args.sessions is not None and (args.trace != "generated" or args.sessions < 1):
+        parser.error("--sessions (>= 1) is for --trace generated")
+    if args.trace in ("mooncake", "bailian"):
+        from smetric.workload.bailian import load_bailian
         from smetric.workload.mooncake import load_mooncake
+        from smetric.workload.sessions import idle_service_time
 
         if not args.path:
-            parser.error("--trace mooncake needs --path")
-        requests = load_mooncake(args.path, limit=args.limit)
+            parser.error(f"--trace {args.trace} needs --path")
+        load = load_mooncake if args.trace == "mooncake" else load_bailian
+        try:
+            requests = load(args.path, args.limit, args.closed_loop, idle_service_time(profile))
+        except (OSError, ValueError) as e:
+            parser.error(str(e))
+    elif args.trace == "generated":
+        from smetric.workload.generator import AgentWorkloadSpec, generate
+
+        if args.limit is not None:
+            parser.error("--trace generated takes --sessions, not --limit")
+        spec = AgentWorkloadSpec(sessions=args.sessions or AgentWorkloadSpec.sessions)
+        requests = generate(spec, args.seed)
     else:
         from smetric.workload.agents import load_sessions, sim_requests
 
