@@ -12,6 +12,7 @@ from smetric.cli import main
 from smetric.perf import DEFAULT_PROFILE, PRESETS
 from smetric.sim import RequestResult, SimRequest, SimResult
 from smetric.slo import SLOModel
+from smetric.workload.agents import load_sessions
 from smetric.workload.sweep import (
     SWEEP_FORMAT,
     Point,
@@ -145,3 +146,45 @@ def test_cli_sweep_out_writes_every_point_and_the_load_over_time_at_the_common_l
     with pytest.raises(SystemExit) as e:
         main([*argv, "--out", str(tmp_path / "sw" / "sweep.json")])  # a file, not a folder
     assert e.value.code == 2
+
+
+def test_smetric_in_a_sweep_predicts_with_the_sweeps_profile_slos_and_tier():
+    from smetric.engine import GlobalTierConfig
+    from smetric.slo import SLOConfig
+    from smetric.workload.sweep import ABLATIONS, sweep_policy
+
+    h20 = PRESETS["qwen3-30b-a3b-h20"]
+    tier = GlobalTierConfig(load_bytes_per_s=10e9)
+    policy = sweep_policy("smetric", h20, tier, SLOConfig(ttft_slo_scale=3.0))
+    slo = policy.slo  # type: ignore[attr-defined]
+    assert slo.profile.name == h20.name != DEFAULT_PROFILE
+    assert (slo.config.ttft_slo_scale, slo.config.global_tier) == (3.0, True)
+    assert slo.config.global_load_bytes_per_s == 10e9
+    assert not sweep_policy("smetric", h20, None).slo.config.global_tier  # type: ignore[attr-defined]
+    for name, change in ABLATIONS.items():
+        cfg = sweep_policy(name, h20, tier).config  # type: ignore[attr-defined]
+        assert all(getattr(cfg, k) == v for k, v in change.items()), name
+    assert sweep_policy("lmetric", h20, tier).name == "lmetric"
+
+
+def test_cli_sweeps_ablations_pd_copies_and_other_slos(capsys, tmp_path):
+    args = ["sweep", "--limit", "2", "--workers", "2", "--copies", "2", "--ttft-slo-scale", "3"]
+    args += ["--policies", "smetric-no-migration", "least_load", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "TTFT SLO 3x idle" in out and "smetric-no-migration" in out
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["slo"]["ttft_slo_scale"] == 3.0 and "x2 copies" in doc["workload"]["name"]
+    assert doc["workload"]["requests"] == 2 * sum(len(s.turns) for s in load_sessions(limit=2))
+    assert main(["sweep", "--limit", "1", "--pd", "1,1", "--policies", "smetric"]) == 0
+    assert "PD 1+1 workers" in capsys.readouterr().out
+    for bad in (
+        ["sweep", "--copies", "0"],
+        ["sweep", "--trace", "generated", "--copies", "2"],
+        ["sweep", "--pd", "1"],
+        ["sweep", "--pd", "0,1"],
+        ["sweep", "--ttft-slo-scale", "0"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(bad)
+        assert e.value.code == 2

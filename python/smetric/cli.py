@@ -117,6 +117,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     sw.add_argument("--no-global-tier", action="store_true")
     sw.add_argument(
+        "--copies",
+        type=int,
+        default=1,
+        help="agents: replay N copies of every session (each its own conversation after the "
+        "shared opening), for loads the trace's sessions cannot make alone",
+    )
+    sw.add_argument(
+        "--pd",
+        metavar="P,D",
+        default=None,
+        help="PD disaggregation: P prefill workers (chosen by the policy) and D decode workers "
+        "(least loaded) instead of --workers colocated ones",
+    )
+    sw.add_argument(
+        "--ttft-slo-scale",
+        type=float,
+        default=5.0,
+        help="TTFT SLO = k x the request's TTFT alone on an idle instance (default 5)",
+    )
+    sw.add_argument("--tpot-slo-ms", type=float, default=100.0, help="TPOT SLO (default 100)")
+    sw.add_argument(
         "--out", metavar="DIR", default=None, help="also write DIR/sweep.json (smetric report)"
     )
     rp = sub.add_parser(
@@ -341,12 +362,27 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from smetric.policies import POLICIES
-    from smetric.workload.sweep import Point, peak_tps, sweep
+    from smetric.slo import SLOConfig
+    from smetric.workload.sweep import ABLATIONS, Point, peak_tps, sweep
 
-    if unknown := [p for p in args.policies if p not in POLICIES]:
-        parser.error(f"unknown policies: {', '.join(unknown)}")
+    if unknown := [p for p in args.policies if p not in POLICIES and p not in ABLATIONS]:
+        parser.error(f"unknown policies: {', '.join(unknown)} (ablations: {', '.join(ABLATIONS)})")
     if args.workers < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--workers and --limit must be >= 1")
+    if args.copies < 1 or (args.copies > 1 and args.trace != "agents"):
+        parser.error("--copies (>= 1) is for --trace agents")
+    if args.ttft_slo_scale <= 0 or args.tpot_slo_ms <= 0:
+        parser.error("--ttft-slo-scale and --tpot-slo-ms must be > 0")
+    slo_config = SLOConfig(ttft_slo_scale=args.ttft_slo_scale, tpot_slo_ms=args.tpot_slo_ms)
+    pd: tuple[int, int] | None = None
+    if args.pd:
+        try:
+            prefill, decode = (int(x) for x in args.pd.split(","))
+        except ValueError:
+            parser.error("--pd takes P,D (two integers)")
+        if min(prefill, decode) < 1:
+            parser.error("--pd takes P,D, each at least 1")
+        pd = (prefill, decode)
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out}: not a directory")
     try:
@@ -377,45 +413,80 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         spec = AgentWorkloadSpec(sessions=args.sessions or AgentWorkloadSpec.sessions)
         requests = generate(spec, args.seed)
     else:
-        from smetric.workload.agents import load_sessions, sim_requests
+        from smetric.workload.agents import load_sessions, replicate, sim_requests
 
-        requests = sim_requests(load_sessions(args.path, limit=args.limit), 2.0, 2.0)
+        sessions = replicate(load_sessions(args.path, limit=args.limit), args.copies)
+        # Sessions start 2 s apart (copies: the same rate per copy), think 2 s between turns.
+        requests = sim_requests(sessions, 2.0 / args.copies, 2.0)
 
     def show(p: Point) -> None:
         mark = "ok " if p.meets_slo else "SLO"
         print(
-            f"  {p.policy:<12} x{p.factor:<5g} {mark} TPS {p.tps:>10.0f}  TTFT attained "
+            f"  {p.policy:<26} x{p.factor:<5g} {mark} TPS {p.tps:>10.0f}  TTFT attained "
             f"{p.ttft_attainment:6.1%}  TPOT attained {p.tpot_attainment:6.1%}",
             flush=True,
         )
 
+    cluster = f"{args.workers} simulated workers" if pd is None else f"PD {pd[0]}+{pd[1]} workers"
     print(
-        f"{len(requests)} requests ({args.trace}), {args.workers} simulated workers "
-        f"({profile.name}), global tier {'off' if args.no_global_tier else 'on'}"
+        f"{len(requests)} requests ({args.trace}), {cluster} ({profile.name}), global tier "
+        f"{'off' if args.no_global_tier else 'on'}, TTFT SLO {args.ttft_slo_scale:g}x idle, "
+        f"TPOT SLO {args.tpot_slo_ms:g} ms"
     )
     from smetric.engine import GlobalTierConfig
 
     tier = None if args.no_global_tier else GlobalTierConfig()
-    results = sweep(requests, args.policies, profile, args.workers, tier, progress=show)
+    results = sweep(
+        requests,
+        args.policies,
+        profile,
+        args.workers,
+        tier,
+        progress=show,
+        slo_config=slo_config,
+        pd=pd,
+    )
     peaks = {name: peak_tps(points) for name, points in results.items()}
-    baselines = [v for k, v in peaks.items() if k != "smetric"]
+    baselines = [v for k, v in peaks.items() if not k.startswith("smetric")]
     best = max(baselines, default=0.0)
-    print(f"\n{'policy':<12} {'peak TPS under SLO':>19} {'vs best baseline':>17}")
+    print(f"\n{'policy':<26} {'peak TPS under SLO':>19} {'vs best baseline':>17}")
     for name, peak in peaks.items():
         ratio = f"{peak / best:.3f}x" if best else "-"
-        print(f"{name:<12} {peak:>19.0f} {ratio:>17}")
+        print(f"{name:<26} {peak:>19.0f} {ratio:>17}")
     if args.out:
         from smetric.workload.sweep import write_sweep
 
-        source = os.path.basename(args.path) if args.path else "bundled tau-bench airline slice"
+        if args.path:
+            source = os.path.basename(args.path)
+        elif args.trace == "generated":
+            source = f"{len(requests)} requests, seed {args.seed}"
+        else:
+            source = "bundled tau-bench airline slice"
+        name = f"{args.trace}: {source}" + (f", first {args.limit}" if args.limit else "")
+        if args.copies > 1:
+            name += f", x{args.copies} copies"
+        if pd is not None:
+            name += f", PD {pd[0]}+{pd[1]}"
+        if args.no_global_tier:
+            name += ", no global tier"
         workload = {
-            "name": f"{args.trace}: {source}" + (f", first {args.limit}" if args.limit else ""),
+            "name": name,
             "trace": args.trace,
             "path": args.path,
             "limit": args.limit,
             "requests": len(requests),
         }
-        written = write_sweep(args.out, workload, requests, results, profile, args.workers, tier)
+        written = write_sweep(
+            args.out,
+            workload,
+            requests,
+            results,
+            profile,
+            args.workers,
+            tier,
+            slo_config,
+            pd=pd,
+        )
         print(f"wrote {written}")
     return 0
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from smetric.engine import GlobalTierConfig
 from smetric.perf import Profile
-from smetric.policies import make_policy
+from smetric.policies import Policy, PolicyConfig, SMetricConfig, make_policy
+from smetric.policies.smetric import SMetric
 from smetric.sim import SimRequest, SimResult, policy_route, simulate
 from smetric.slo import SLOConfig, SLOModel
 
@@ -118,6 +119,37 @@ def evaluate(
     )
 
 
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "smetric-no-slo-gate": {"slo_gate": False},
+    "smetric-no-migration": {"migration": False},
+    "smetric-no-turn-detection": {"turn_detection": False},
+    "smetric-load-delay": {"load_metric": "delay"},
+    "smetric-load-requests": {"load_metric": "requests"},
+}
+"""SMetric's ablations under sweepable names (the router's ablation flags, one each)."""
+
+
+def sweep_policy(
+    name: str,
+    profile: Profile,
+    global_tier: GlobalTierConfig | None,
+    slo_config: SLOConfig = SLOConfig(),
+) -> Policy:
+    """A policy by name, or an SMetric ablation from ``ABLATIONS``. SMetric gets the sweep's own
+    profile, SLOs and global tier (or none), as the router's flags give them to it."""
+    ablation = ABLATIONS.get(name)
+    if name != "smetric" and ablation is None:
+        return make_policy(name)
+    slo = replace(
+        slo_config,
+        global_tier=global_tier is not None,
+        global_load_bytes_per_s=(global_tier or GlobalTierConfig()).load_bytes_per_s,
+        global_load_latency_s=(global_tier or GlobalTierConfig()).load_latency_s,
+    )
+    cfg = SMetricConfig(profile=profile.name, slo=slo, **(ablation or {}))
+    return SMetric(PolicyConfig(smetric=cfg), profile)
+
+
 def run_at(
     requests: Sequence[SimRequest],
     policy: str,
@@ -125,14 +157,18 @@ def run_at(
     profile: Profile,
     workers: int,
     global_tier: GlobalTierConfig | None,
+    slo_config: SLOConfig = SLOConfig(),
+    pd: tuple[int, int] | None = None,
 ) -> SimResult:
-    """One simulated run of ``policy`` at load factor ``factor`` (deterministic)."""
+    """One simulated run of ``policy`` at load factor ``factor`` (deterministic). With ``pd``,
+    the policy picks prefill workers and decode goes to the least loaded decode worker."""
     return simulate(
         scale_arrivals(requests, factor),
-        policy_route(make_policy(policy)),
+        policy_route(sweep_policy(policy, profile, global_tier, slo_config)),
         profile,
         workers,
         global_tier=global_tier,
+        pd=pd,
     )
 
 
@@ -146,6 +182,7 @@ def sweep(
     refine: int = 3,
     progress: Callable[[Point], None] | None = None,
     slo_config: SLOConfig = SLOConfig(),
+    pd: tuple[int, int] | None = None,
 ) -> dict[str, list[Point]]:
     """Climbs ``ladder`` until the SLO breaks, then bisects ``refine`` times between the last
     load that met it and the first that did not."""
@@ -155,7 +192,7 @@ def sweep(
         points: list[Point] = []
 
         def run(factor: float, name: str = name, points: list[Point] = points) -> Point:
-            result = run_at(requests, name, factor, profile, workers, global_tier)
+            result = run_at(requests, name, factor, profile, workers, global_tier, slo_config, pd)
             point = evaluate(name, factor, result, slo)
             points.append(point)
             if progress:
@@ -233,13 +270,14 @@ def write_sweep(
     slo_config: SLOConfig = SLOConfig(),
     ladder: Sequence[float] = LADDER,
     refine: int = 3,
+    pd: tuple[int, int] | None = None,
 ) -> Path:
     """Writes ``out_dir/sweep.json``; re-runs each policy at the common load (runs are
     deterministic) for its per-instance load over time. Returns the file's path."""
     factor = common_factor(results)
     policies: dict[str, Any] = {}
     for name, points in results.items():
-        run = run_at(requests, name, factor, profile, workers, global_tier)
+        run = run_at(requests, name, factor, profile, workers, global_tier, slo_config, pd)
         policies[name] = {
             "peak_tps": peak_tps(points),
             "points": [asdict(p) for p in points],
@@ -249,6 +287,7 @@ def write_sweep(
         "format": SWEEP_FORMAT,
         "workload": workload,
         "workers": workers,
+        "pd": None if pd is None else {"prefill": pd[0], "decode": pd[1]},
         "profile": profile.name,
         "global_tier": None if global_tier is None else asdict(global_tier),
         "slo": {
