@@ -465,8 +465,6 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         name = f"{args.trace}: {source}" + (f", first {args.limit}" if args.limit else "")
         if args.copies > 1:
             name += f", x{args.copies} copies"
-        if pd is not None:
-            name += f", PD {pd[0]}+{pd[1]}"
         if args.no_global_tier:
             name += ", no global tier"
         workload = {

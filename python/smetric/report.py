@@ -60,6 +60,13 @@ def _check(doc: dict[str, Any]) -> None:
             _require(point, "factor", "tps", "meets_slo", where=name)
 
 
+def _cluster(doc: dict[str, Any]) -> str:
+    pd = doc.get("pd")
+    if pd:
+        return f"PD {pd['prefill']} prefill + {pd['decode']} decode workers"
+    return f"{doc['workers']} workers"
+
+
 def _require(obj: Any, *keys: str, where: str) -> None:
     if not isinstance(obj, dict):
         raise ValueError(f"{where or 'the document'} must be an object")
@@ -74,7 +81,7 @@ def label(doc: dict[str, Any]) -> str:
         if slo.get("ttft_slo_ms") is not None
         else f"TTFT <= {slo['ttft_slo_scale']:g}x idle"
     )
-    return f"{doc['workload']['name']}, {doc['workers']} workers, {ttft}"
+    return f"{doc['workload']['name']}, {_cluster(doc)}, {ttft}"
 
 
 def best_baseline(doc: dict[str, Any]) -> str | None:
@@ -148,7 +155,7 @@ def render_markdown(docs: Sequence[dict[str, Any]], plots: dict[int, list[Path]]
             f"## {lab}",
             "",
             f"From `{doc['_path']}`: {doc['workload'].get('requests', '?')} requests, "
-            f"{doc['workers']} workers, profile `{doc['profile']}`, global KV tier {tier}; "
+            f"{_cluster(doc)}, profile `{doc['profile']}`, global KV tier {tier}; "
             f"TPOT SLO {slo['tpot_slo_ms']:g} ms, {slo.get('attainment', 0.9):.0%} of requests "
             f"within each SLO. Latencies, hits, migrations and imbalance at the common load "
             f"x{doc['common_factor']:g} (the highest load every policy met, else the lowest run). "

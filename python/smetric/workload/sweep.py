@@ -91,7 +91,9 @@ def evaluate(
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     prompt = sum(r.prompt_tokens for r in ok) or 1
     tokens = sum(r.prompt_tokens + r.output_tokens for r in ok)
-    served = dict.fromkeys(result.load, 0)
+    # Instances the policy chose among: all of them, or the prefill ones in PD (named p<i>).
+    chosen = [w for w in result.load if not w.startswith("d")] or list(result.load)
+    served = dict.fromkeys(chosen, 0)
     for r in ok:
         served[r.worker] = served.get(r.worker, 0) + r.prompt_tokens
     mean_served = sum(served.values()) / max(len(served), 1)
