@@ -1,9 +1,10 @@
 """The router: SGLang's router HTTP surface over a worker registry, the prefix index and a policy.
 
-Hot path, top to bottom: ``_route`` reads and parses the body (``view_request``), ``_snapshot``
-keys and matches the prompt against every worker at once and builds the policy's view, the policy
-decides, ``_forward`` sends the body byte for byte and streams the answer back chunk by chunk,
-and the accounting follows the request (dispatch, first chunk, finish).
+Hot path, top to bottom: ``handle_generation`` reads and keys the body (``view_body``, in Rust
+from the bytes; ``view_request`` over the parsed body where it cannot), ``_snapshot`` matches the
+prompt against every worker at once and builds the policy's view, the policy decides,
+``_forward`` sends the body byte for byte and streams the answer back chunk by chunk, and the
+accounting follows the request (dispatch, first chunk, finish).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from smetric.request import (
     BadRequest,
     RequestView,
     loads,
+    view_body,
     view_request,
 )
 from smetric.router.config import RouterConfig
@@ -366,14 +368,16 @@ class Router:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
-        try:
-            body = loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return self._count(api, error_json(400, "request body is not valid JSON"))
-        try:
-            view = view_request(api, body, request.headers)
-        except BadRequest as e:
-            return self._count(api, error_json(400, str(e)))
+        view = view_body(api, raw, request.headers)
+        if view is None:  # what the fast path leaves to the reference, errors included
+            try:
+                body = loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                return self._count(api, error_json(400, "request body is not valid JSON"))
+            try:
+                view = view_request(api, body, request.headers)
+            except BadRequest as e:
+                return self._count(api, error_json(400, str(e)))
         self.prompt_tokens += view.prompt_tokens
         if self.config.pd_disaggregation:
             resp = await self._route_pd(request, raw, view, rid, t0)
