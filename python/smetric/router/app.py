@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -107,8 +108,9 @@ class Router:
             global_capacity_blocks=config.global_tier_blocks if config.global_tier else None
         )
         self.workers: dict[str, Worker] = {}
-        self._order: list[str] = []
-        """The index's instances in match-result order, kept as workers come and go."""
+        self._registry_changes = 0
+        self._rotations: dict[str, tuple[tuple[int, int], float, list[Worker]]] = {}
+        """Per role: (the changes it reflects, when an open circuit half-opens, the workers)."""
         self.session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
@@ -255,20 +257,31 @@ class Router:
             worker.time_scale = max(float(emulated["time_scale"]), 1e-6)
         if not healthy and self.config.disable_health_check:
             worker.healthy = True  # nothing would ever bring it in: let the breaker judge it
-        blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
         if url in self.workers:  # registered by a concurrent call while this one waited
             raise BadRequest(f"worker {url} is already registered")
-        self.index.add_instance(url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size))
-        self._order = self.index.instances()
-        self.workers[url] = worker
+        self._admit(worker)
         log.info("worker added url=%s role=%s healthy=%s", url, role, healthy)
         return worker
+
+    def _admit(self, worker: Worker) -> None:
+        """Puts a worker whose facts are known into rotation and the index."""
+        blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
+        self.index.add_instance(
+            worker.url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size)
+        )
+        self.workers[worker.url] = worker
+        self._registry_changed()
+
+    def _registry_changed(self) -> None:
+        for slot, url in enumerate(self.index.instances()):
+            self.workers[url].index_slot = slot
+        self._registry_changes += 1
 
     def unregister(self, url: str) -> Worker:
         worker = self.workers.pop(url)
         worker.removed = True  # requests in flight finish; nothing new goes there
         self.index.remove_instance(url)
-        self._order = self.index.instances()
+        self._registry_changed()
         log.info("worker removed url=%s in_flight=%d", url, worker.in_flight)
         return worker
 
@@ -335,19 +348,30 @@ class Router:
     # ---- the hot path --------------------------------------------------------------------
 
     def _eligible(self, role: str, exclude: set[str]) -> list[Worker]:
+        """The workers of ``role`` in rotation, less ``exclude``. Asked on every request, so the
+        answer is kept until a worker's health, circuit or registration changes, or an open
+        circuit half-opens; the list is shared, not to be changed by callers."""
         now = time.monotonic()
-        cb = self.config.cb_timeout_duration_secs
-        return [
-            w
-            for w in self.workers.values()
-            if w.role == role and w.url not in exclude and w.eligible(now, cb)
-        ]
+        changes = (Worker.rotation_changes, self._registry_changes)
+        kept = self._rotations.get(role)
+        if kept is None or kept[0] != changes or now >= kept[1]:
+            cb = self.config.cb_timeout_duration_secs
+            workers = [w for w in self.workers.values() if w.role == role]
+            half_open = min(
+                (t + cb for w in workers if (t := w.opened_at) is not None and t + cb > now),
+                default=math.inf,
+            )
+            kept = (changes, half_open, [w for w in workers if w.eligible(now, cb)])
+            self._rotations[role] = kept
+        if exclude:
+            return [w for w in kept[2] if w.url not in exclude]
+        return kept[2]
 
     def _snapshot(self, view: RequestView, workers: list[Worker]) -> ClusterView:
         match = self.index.match(view.key.keys, touch=False)
-        hits = dict(zip(self._order, match.blocks, strict=True))
+        blocks = match.blocks
         return ClusterView(
-            tuple(w.view(hits.get(w.url, 0)) for w in workers),
+            tuple([w.view(blocks[w.index_slot]) for w in workers]),
             match.global_blocks,
             len(view.key.keys),
             view.key.block_tokens,

@@ -5,8 +5,25 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from smetric.cluster import WorkerView
+
+_VIEW_FIELDS = frozenset(
+    (
+        "url",
+        "in_flight",
+        "queued_prefill_tokens",
+        "running_decode_tokens",
+        "polled_running",
+        "polled_waiting",
+        "token_usage",
+    )
+)
+"""The fields a ``WorkerView`` shows: setting one drops the cached view."""
+_ROTATION_FIELDS = frozenset(("role", "healthy", "removed", "opened_at"))
+"""The fields that decide whether a worker is eligible: setting one counts a rotation change."""
+_new_tuple = tuple.__new__
 
 
 @dataclass
@@ -43,9 +60,24 @@ class Worker:
     errors_total: int = 0
     removed: bool = False
     id: str = field(init=False)
+    index_slot: int = field(default=-1, init=False, repr=False, compare=False)
+    """The worker's position in the prefix index's ``instances()`` (its registry keeps it)."""
+    _view: WorkerView | None = field(default=None, init=False, repr=False, compare=False)
+    """The last view handed out; a policy sees every worker on every request, and most of them
+    have not changed since."""
 
     def __post_init__(self) -> None:
         self.id = "w-" + hashlib.sha1(self.url.encode()).hexdigest()[:10]
+
+    rotation_changes: ClassVar[int] = 0
+    """Changes, to any worker, of a field that decides whether it is eligible."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _VIEW_FIELDS:
+            self.__dict__["_view"] = None
+        elif name in _ROTATION_FIELDS:
+            Worker.rotation_changes += 1
 
     # ---- circuit breaker -----------------------------------------------------------------
 
@@ -55,7 +87,12 @@ class Worker:
         return now - self.opened_at < timeout_s  # after the timeout: half-open, may be tried
 
     def eligible(self, now: float, cb_timeout_s: float) -> bool:
-        return self.healthy and not self.removed and not self.circuit_open(now, cb_timeout_s)
+        # Asked of every worker on every request: the closed circuit is decided without a call.
+        return (
+            self.healthy
+            and not self.removed
+            and (self.opened_at is None or not self.circuit_open(now, cb_timeout_s))
+        )
 
     def record_failure(self, threshold: int, enabled: bool) -> None:
         self.errors_total += 1
@@ -75,19 +112,28 @@ class Worker:
     # ---- the view policies get -----------------------------------------------------------
 
     def view(self, local_hit_blocks: int) -> WorkerView:
-        # Own accounting is instant; what the worker reports also counts traffic that did not
-        # come through this router. The larger of the two is the better guess.
-        polled_total = self.polled_running + self.polled_waiting
-        return WorkerView(
-            self.url,
-            max(self.in_flight, polled_total),
-            self.queued_prefill_tokens,
-            self.running_decode_tokens,
-            self.polled_running,
-            self.polled_waiting,
-            self.token_usage,
-            local_hit_blocks,
-        )
+        """The worker as a policy sees it, built again only when its load or the hit changed."""
+        v = self._view
+        if v is not None:
+            if v.local_hit_blocks == local_hit_blocks:
+                return v
+            v = _new_tuple(WorkerView, (*v[:-1], local_hit_blocks))
+        else:
+            # Own accounting is instant; what the worker reports also counts traffic that did
+            # not come through this router. The larger of the two is the better guess.
+            polled_total = self.polled_running + self.polled_waiting
+            v = WorkerView(
+                self.url,
+                max(self.in_flight, polled_total),
+                self.queued_prefill_tokens,
+                self.running_decode_tokens,
+                self.polled_running,
+                self.polled_waiting,
+                self.token_usage,
+                local_hit_blocks,
+            )
+        self.__dict__["_view"] = v
+        return v
 
     def describe(self) -> dict[str, object]:
         return {

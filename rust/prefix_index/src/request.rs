@@ -129,34 +129,36 @@ fn truthy(v: &Value<'_>) -> Option<bool> {
 const CHUNK: usize = 16;
 
 /// A bit per byte of `chunk` (bit `i` for byte `i`) that is `"`, `\` or a control character
-/// (below 0x20): the bytes a string scan must stop at.
+/// (below 0x20): the bytes a string scan must stop at; and a bit per byte that is not ASCII.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn string_stops(chunk: [u8; CHUNK]) -> u32 {
+fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
     use std::arch::x86_64::{
         __m128i, _mm_cmpeq_epi8, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
     };
     let v: __m128i = bytemuck::cast(chunk);
     // SAFETY: these intrinsics only need SSE2, which every x86_64 CPU has (it is part of the
     // architecture's baseline), and they touch no memory: only the value `v`.
-    let stops = unsafe {
+    let (stops, high) = unsafe {
         let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
         let backslash = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8));
         let low = _mm_set1_epi8(0x1f);
         let control = _mm_cmpeq_epi8(_mm_max_epu8(v, low), low); // v <= 0x1f, unsigned
-        _mm_movemask_epi8(_mm_or_si128(_mm_or_si128(quote, backslash), control))
+        let stops = _mm_or_si128(_mm_or_si128(quote, backslash), control);
+        (_mm_movemask_epi8(stops), _mm_movemask_epi8(v))
     };
-    stops as u32
+    (stops as u32, high as u32)
 }
 
 #[cfg(not(target_arch = "x86_64"))]
 #[inline]
-fn string_stops(chunk: [u8; CHUNK]) -> u32 {
-    let mut mask = 0u32;
+fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
+    let (mut stops, mut high) = (0u32, 0u32);
     for (i, &b) in chunk.iter().enumerate() {
-        mask |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
+        stops |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
+        high |= u32::from(b >= 0x80) << i;
     }
-    mask
+    (stops, high)
 }
 
 fn hex4(b: &[u8]) -> Option<u32> {
@@ -262,16 +264,20 @@ impl<'a> Parser<'a> {
     }
 
     /// Decodes a string into `text`, from just after its opening quote; leaves `pos` after the
-    /// closing one. The input is known to be UTF-8, so only escapes and control characters need
-    /// checking. Chunks are copied before they are checked: what follows a stop is cut off.
+    /// closing one. Chunks are copied before they are checked: what follows a stop is cut off.
+    /// Strings are the only place JSON allows bytes beyond ASCII; a string that has any is
+    /// checked to be UTF-8.
     fn string(&mut self) -> Option<Span> {
         let bytes = self.bytes;
         let start = self.text.len();
+        let raw_start = self.pos;
+        let mut high = 0u32;
         loop {
             while let Some(chunk) = bytes.get(self.pos..self.pos + CHUNK) {
                 let chunk: [u8; CHUNK] = chunk.try_into().expect("a whole chunk");
                 self.text.extend_from_slice(&chunk);
-                let stops = string_stops(chunk);
+                let (stops, chunk_high) = string_stops(chunk);
+                high |= chunk_high;
                 if stops != 0 {
                     let clean = stops.trailing_zeros() as usize;
                     self.text.truncate(self.text.len() - CHUNK + clean);
@@ -282,6 +288,9 @@ impl<'a> Parser<'a> {
             }
             match self.peek()? {
                 b'"' => {
+                    if high != 0 {
+                        std::str::from_utf8(&bytes[raw_start..self.pos]).ok()?;
+                    }
                     self.pos += 1;
                     return Some(Span {
                         start,
@@ -291,6 +300,7 @@ impl<'a> Parser<'a> {
                 b'\\' => self.escape()?,
                 0..=0x1f => return None,
                 b => {
+                    high |= u32::from(b >= 0x80);
                     self.text.push(b);
                     self.pos += 1;
                 }
@@ -381,9 +391,8 @@ impl<'a> Parser<'a> {
     }
 }
 
-/// Parses a whole body; `None` if it is not strict JSON (or nests too deep).
+/// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep).
 fn parse(body: &[u8]) -> Option<Doc<'_>> {
-    std::str::from_utf8(body).ok()?;
     let mut p = Parser {
         bytes: body,
         pos: 0,
@@ -778,7 +787,16 @@ mod tests {
         let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
         let body = format!(r#"{{"prompt":"p","x":{deep}}}"#);
         assert_eq!(view_body(Api::Completions, body.as_bytes()), None);
+        // Bytes beyond ASCII must be UTF-8, in a scanned chunk or in the body's last bytes.
         assert_eq!(view_body(Api::Completions, b"{\"prompt\":\"\xff\"}"), None);
+        let mut long = br#"{"prompt":""#.to_vec();
+        long.extend(b"a".repeat(40));
+        long.extend(b"\xc3\x28"); // a lead byte without its continuation
+        long.extend(b"a".repeat(40));
+        long.extend(br#""}"#);
+        assert_eq!(view_body(Api::Completions, &long), None);
+        assert_eq!(view_body(Api::Completions, b"{\"prompt\":\"a\"}\xff"), None);
+        assert!(view_body(Api::Completions, "{\"prompt\":\"é\"}".as_bytes()).is_some());
     }
 
     #[test]
@@ -788,4 +806,10 @@ mod tests {
         let expected = format!("<|user|>{}\n", content.replace("\\n", "\n"));
         assert_eq!(text(Api::Chat, &body), expected.into_bytes());
     }
+}
+pub fn scratch_parse_only(body: &[u8]) -> bool {
+    parse(body).is_some()
+}
+pub fn scratch_unescape(_body: &[u8]) -> usize {
+    0
 }
