@@ -807,9 +807,3 @@ mod tests {
         assert_eq!(text(Api::Chat, &body), expected.into_bytes());
     }
 }
-pub fn scratch_parse_only(body: &[u8]) -> bool {
-    parse(body).is_some()
-}
-pub fn scratch_unescape(_body: &[u8]) -> usize {
-    0
-}
