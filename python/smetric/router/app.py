@@ -14,9 +14,9 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import time
-import uuid
 from collections import Counter
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -112,6 +112,11 @@ class Router:
         self._rotations: dict[str, tuple[tuple[int, int], float, list[Worker]]] = {}
         """Per role: (the changes it reflects, when an open circuit half-opens, the workers)."""
         self.session: aiohttp.ClientSession | None = None
+        self._upstream_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=config.health_check_timeout_secs,
+            sock_read=config.request_timeout_secs,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
         self._load_paths: dict[str, str] = {}
@@ -166,6 +171,8 @@ class Router:
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                 timeout=aiohttp.ClientTimeout(total=None),
                 auto_decompress=False,
+                # A proxy keeps no cookies: one client's must not reach another's requests.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         c = self.config
         initial: list[tuple[str, str, int | None]] = [(u, "regular", None) for u in c.worker_urls]
@@ -382,7 +389,7 @@ class Router:
             value = request.headers.get(h)
             if value:
                 return value
-        return uuid.uuid4().hex
+        return os.urandom(16).hex()  # 32 hex digits as uuid4().hex, at a quarter of the cost
 
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
         api = ROUTES[request.path]
@@ -437,14 +444,15 @@ class Router:
             tried.add(worker.url)
             self.decisions[(self.policy.name, decision.reason)] += 1
             hit = cluster.local_hit_tokens(decision.worker, view.prompt_tokens)
-            log.debug(
-                "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
-                rid,
-                worker.url,
-                decision.reason,
-                hit,
-                attempt,
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
+                    rid,
+                    worker.url,
+                    decision.reason,
+                    hit,
+                    attempt,
+                )
             try:
                 return await self._forward(request, raw, view, worker, decision, rid, hit, t0)
             except Retry as e:
@@ -511,12 +519,9 @@ class Router:
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=c.health_check_timeout_secs, sock_read=c.request_timeout_secs
-        )
         try:
             async with self.session.post(
-                worker.url + request.path, data=raw, headers=headers, timeout=timeout
+                worker.url + request.path, data=raw, headers=headers, timeout=self._upstream_timeout
             ) as up:
                 if up.status >= 500:
                     worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
