@@ -61,16 +61,16 @@ class Worker:
     removed: bool = False
     id: str = field(init=False)
     index_slot: int = field(default=-1, init=False, repr=False, compare=False)
-    """The worker's position in the prefix index's ``instances()`` (its registry keeps it)."""
+    """The worker's position in the prefix index's ``instances()``, which is where its hit is in
+    a match (the router sets it as workers come and go)."""
     _view: WorkerView | None = field(default=None, init=False, repr=False, compare=False)
     """The last view handed out; a policy sees every worker on every request, and most of them
     have not changed since."""
+    rotation_changes: ClassVar[int] = 0
+    """Changes, to any worker, of a field that decides whether it is eligible."""
 
     def __post_init__(self) -> None:
         self.id = "w-" + hashlib.sha1(self.url.encode()).hexdigest()[:10]
-
-    rotation_changes: ClassVar[int] = 0
-    """Changes, to any worker, of a field that decides whether it is eligible."""
 
     def __setattr__(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
