@@ -272,84 +272,61 @@ impl<'a> Parser<'a> {
         let start = self.text.len();
         let raw_start = self.pos;
         let mut high = 0u32;
+        let mut pos = self.pos;
+        let text = &mut self.text;
         loop {
-            while let Some(chunk) = bytes.get(self.pos..self.pos + CHUNK) {
+            while let Some(chunk) = bytes.get(pos..pos + CHUNK) {
                 let chunk: [u8; CHUNK] = chunk.try_into().expect("a whole chunk");
-                self.text.extend_from_slice(&chunk);
+                text.extend_from_slice(&chunk);
                 let (stops, chunk_high) = string_stops(chunk);
                 high |= chunk_high;
                 if stops != 0 {
                     let clean = stops.trailing_zeros() as usize;
-                    self.text.truncate(self.text.len() - CHUNK + clean);
-                    self.pos += clean;
+                    text.truncate(text.len() - CHUNK + clean);
+                    pos += clean;
                     break;
                 }
-                self.pos += CHUNK;
+                pos += CHUNK;
             }
-            match self.peek()? {
+            match *bytes.get(pos)? {
                 b'"' => {
                     if high != 0 {
-                        std::str::from_utf8(&bytes[raw_start..self.pos]).ok()?;
+                        std::str::from_utf8(&bytes[raw_start..pos]).ok()?;
                     }
-                    self.pos += 1;
+                    self.pos = pos + 1;
                     return Some(Span {
                         start,
-                        end: self.text.len(),
+                        end: text.len(),
                     });
                 }
-                b'\\' => self.escape()?,
+                b'\\' => {
+                    // The common escapes inline; \u escapes out of line.
+                    let decoded = match *bytes.get(pos + 1)? {
+                        b'n' => b'\n',
+                        b'"' => b'"',
+                        b'\\' => b'\\',
+                        b't' => b'\t',
+                        b'r' => b'\r',
+                        b'/' => b'/',
+                        b'b' => 0x08,
+                        b'f' => 0x0c,
+                        b'u' => {
+                            pos = unicode_escape(bytes, pos, text)?;
+                            continue;
+                        }
+                        _ => return None,
+                    };
+                    text.push(decoded);
+                    pos += 2;
+                }
                 0..=0x1f => return None,
                 b => {
                     high |= u32::from(b >= 0x80);
-                    self.text.push(b);
-                    self.pos += 1;
+                    text.push(b);
+                    pos += 1;
                 }
             }
         }
-    }
-
-    /// Decodes one escape at `pos` (the backslash) and steps over it. Surrogate escapes must
-    /// pair up; a lone one is left to the reference.
-    fn escape(&mut self) -> Option<()> {
-        let bytes = self.bytes;
-        let byte = match *bytes.get(self.pos + 1)? {
-            b'"' => b'"',
-            b'\\' => b'\\',
-            b'/' => b'/',
-            b'b' => 0x08,
-            b'f' => 0x0c,
-            b'n' => b'\n',
-            b'r' => b'\r',
-            b't' => b'\t',
-            b'u' => {
-                let mut code = hex4(bytes.get(self.pos + 2..)?)?;
-                self.pos += 6;
-                match code {
-                    0xD800..=0xDBFF => {
-                        if bytes.get(self.pos..self.pos + 2)? != b"\\u" {
-                            return None;
-                        }
-                        let low = hex4(bytes.get(self.pos + 2..)?)?;
-                        if !(0xDC00..=0xDFFF).contains(&low) {
-                            return None;
-                        }
-                        self.pos += 6;
-                        code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
-                    }
-                    0xDC00..=0xDFFF => return None,
-                    _ => {}
-                }
-                let ch = char::from_u32(code)?;
-                let mut buf = [0u8; 4];
-                self.text
-                    .extend_from_slice(ch.encode_utf8(&mut buf).as_bytes());
-                return Some(());
-            }
-            _ => return None,
-        };
-        self.text.push(byte);
-        self.pos += 2;
-        Some(())
     }
 
     fn digits(&mut self) -> usize {
@@ -389,6 +366,31 @@ impl<'a> Parser<'a> {
         }
         Some(&self.bytes[start..self.pos])
     }
+}
+
+/// Decodes the `\\u` escape at `pos` (its backslash) into `text`; returns where it ends. A
+/// surrogate must pair up with the escape after it; a lone one is left to the reference.
+fn unicode_escape(bytes: &[u8], pos: usize, text: &mut Vec<u8>) -> Option<usize> {
+    let mut code = hex4(bytes.get(pos + 2..)?)?;
+    let mut end = pos + 6;
+    match code {
+        0xD800..=0xDBFF => {
+            if bytes.get(end..end + 2)? != b"\\u" {
+                return None;
+            }
+            let low = hex4(bytes.get(end + 2..)?)?;
+            if !(0xDC00..=0xDFFF).contains(&low) {
+                return None;
+            }
+            end += 6;
+            code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
+        }
+        0xDC00..=0xDFFF => return None,
+        _ => {}
+    }
+    let ch = char::from_u32(code)?;
+    text.extend_from_slice(ch.encode_utf8(&mut [0u8; 4]).as_bytes());
+    Some(end)
 }
 
 /// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep).
