@@ -93,6 +93,20 @@ def hash_tokens_sglang(token_ids: Iterable[int], page_size: int) -> BlockKeys:
     carry (``BlockKeys.from_ids(event.block_hashes, chained=True)`` gives equal keys).
     """
 
+def key_request_body(
+    api: str, body: bytes, text_block_bytes: int, token_block_tokens: int
+) -> tuple[BlockKeys, int, bool, int | None, bool, bool | None] | None:
+    """The router's fast path: a ``generate``, ``chat`` or ``completions`` body keyed straight
+    from its bytes, as ``smetric.request.view_request`` keys the parsed body (text in blocks of
+    ``text_block_bytes``, token ids in blocks of ``token_block_tokens``).
+
+    Returns ``(keys, prompt_length, is_tokens, max_new_tokens, stream, is_first_turn)``, where
+    ``prompt_length`` counts the key text's UTF-8 bytes or the token ids and ``max_new_tokens``
+    is None when the body names no limit; or None where ``view_request`` must decide: every body
+    it rejects, and a few rare shapes (floats or integers beyond 64 bits where the key serializes
+    JSON, lone surrogates, deep nesting). Raises ``ValueError`` for an unknown ``api``.
+    """
+
 @final
 class Match:
     """Result of ``PrefixIndex.match``."""

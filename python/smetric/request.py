@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from smetric import BlockKeys, hash_text, hash_tokens
+from smetric._prefix_index import key_request_body
 
 
 def _compact_json(value: Any) -> str:
@@ -159,6 +160,37 @@ def _token_list(value: Any, name: str) -> list[int]:
     return value
 
 
+def _session_key(headers: Mapping[str, str] | None) -> str | None:
+    if headers is not None:
+        for h in SESSION_HEADERS:
+            if headers.get(h):
+                return headers[h]
+    return None
+
+
+_TEXT_BLOCK_TOKENS = TEXT_BLOCK_BYTES / BYTES_PER_TOKEN
+
+
+def view_body(api: str, raw: bytes, headers: Mapping[str, str] | None = None) -> RequestView | None:
+    """The router's fast path: ``view_request(api, loads(raw), headers)`` computed in Rust from the
+    body bytes, without the GIL and without building the body's Python objects.
+
+    None where the Rust side leaves the request to the reference (``view_request``): every body
+    that the reference rejects, and a few rare shapes (floats inside tools, big integers, ...).
+    """
+    fast = key_request_body(api, raw, TEXT_BLOCK_BYTES, TOKEN_BLOCK_TOKENS)
+    if fast is None:
+        return None
+    keys, length, is_tokens, max_new, stream, first = fast
+    if is_tokens:
+        key = PromptKey(keys, length, float(TOKEN_BLOCK_TOKENS))
+    else:
+        key = PromptKey(keys, text_prompt_tokens(length), _TEXT_BLOCK_TOKENS)
+    if max_new is None:
+        max_new = DEFAULT_MAX_NEW_TOKENS
+    return RequestView(api, key, max_new, stream, _session_key(headers), first)
+
+
 def view_request(api: str, body: Any, headers: Mapping[str, str] | None = None) -> RequestView:
     """Parses a request body of one of SGLang's generation APIs into a view.
 
@@ -167,12 +199,7 @@ def view_request(api: str, body: Any, headers: Mapping[str, str] | None = None) 
     """
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
-    session = None
-    if headers is not None:
-        for h in SESSION_HEADERS:
-            if headers.get(h):
-                session = headers[h]
-                break
+    session = _session_key(headers)
     stream = bool(body.get("stream", False))
     first: bool | None = None
     if api == "generate":

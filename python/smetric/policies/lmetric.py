@@ -15,9 +15,12 @@ class LMetric:
         pass
 
     def select(self, req: RequestView, cluster: ClusterView) -> Decision:
-        def cost(i: int) -> tuple[float, int]:
-            w = cluster.workers[i]
-            uncached = req.prompt_tokens - cluster.local_hit_tokens(i, req.prompt_tokens)
-            return ((w.queued_prefill_tokens + uncached) * (w.in_flight + 1), w.in_flight)
-
-        return Decision(min(range(len(cluster.workers)), key=cost), "lmetric_cost")
+        prompt = req.prompt_tokens
+        hit = cluster.local_hit_tokens
+        # The lowest cost, then the fewest requests, then the first worker.
+        _, _, best = min(
+            ((w.queued_prefill_tokens + prompt - hit(i, prompt)) * (w.in_flight + 1), load, i)
+            for i, w in enumerate(cluster.workers)
+            for load in (w.in_flight,)
+        )
+        return Decision(best, "lmetric_cost")

@@ -1,9 +1,10 @@
 """The router: SGLang's router HTTP surface over a worker registry, the prefix index and a policy.
 
-Hot path, top to bottom: ``_route`` reads and parses the body (``view_request``), ``_snapshot``
-keys and matches the prompt against every worker at once and builds the policy's view, the policy
-decides, ``_forward`` sends the body byte for byte and streams the answer back chunk by chunk,
-and the accounting follows the request (dispatch, first chunk, finish).
+Hot path, top to bottom: ``handle_generation`` reads and keys the body (``view_body``, in Rust
+from the bytes; ``view_request`` over the parsed body where it cannot), ``_snapshot`` matches the
+prompt against every worker at once and builds the policy's view, the policy decides,
+``_forward`` sends the body byte for byte and streams the answer back chunk by chunk, and the
+accounting follows the request (dispatch, first chunk, finish).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import os
 import random
 import time
-import uuid
 from collections import Counter
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -33,6 +35,7 @@ from smetric.request import (
     BadRequest,
     RequestView,
     loads,
+    view_body,
     view_request,
 )
 from smetric.router.config import RouterConfig
@@ -112,9 +115,15 @@ class Router:
         chunk = 8192
         self._prefill_tokens_per_s = chunk / load_profile(config.profile).prefill_time_s(chunk)
         self.workers: dict[str, Worker] = {}
-        self._order: list[str] = []
-        """The index's instances in match-result order, kept as workers come and go."""
+        self._registry_changes = 0
+        self._rotations: dict[str, tuple[tuple[int, int], float, list[Worker]]] = {}
+        """Per role: (the changes it reflects, when an open circuit half-opens, the workers)."""
         self.session: aiohttp.ClientSession | None = None
+        self._upstream_timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=config.health_check_timeout_secs,
+            sock_read=config.request_timeout_secs,
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
         self._load_paths: dict[str, str] = {}
@@ -169,6 +178,8 @@ class Router:
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
                 timeout=aiohttp.ClientTimeout(total=None),
                 auto_decompress=False,
+                # A proxy keeps no cookies: one client's must not reach another's requests.
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         c = self.config
         initial: list[tuple[str, str, int | None]] = [(u, "regular", None) for u in c.worker_urls]
@@ -260,20 +271,31 @@ class Router:
             worker.time_scale = max(float(emulated["time_scale"]), 1e-6)
         if not healthy and self.config.disable_health_check:
             worker.healthy = True  # nothing would ever bring it in: let the breaker judge it
-        blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
         if url in self.workers:  # registered by a concurrent call while this one waited
             raise BadRequest(f"worker {url} is already registered")
-        self.index.add_instance(url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size))
-        self._order = self.index.instances()
-        self.workers[url] = worker
+        self._admit(worker)
         log.info("worker added url=%s role=%s healthy=%s", url, role, healthy)
         return worker
+
+    def _admit(self, worker: Worker) -> None:
+        """Puts a worker whose facts are known into rotation and the index."""
+        blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
+        self.index.add_instance(
+            worker.url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size)
+        )
+        self.workers[worker.url] = worker
+        self._registry_changed()
+
+    def _registry_changed(self) -> None:
+        for slot, url in enumerate(self.index.instances()):
+            self.workers[url].index_slot = slot
+        self._registry_changes += 1
 
     def unregister(self, url: str) -> Worker:
         worker = self.workers.pop(url)
         worker.removed = True  # requests in flight finish; nothing new goes there
         self.index.remove_instance(url)
-        self._order = self.index.instances()
+        self._registry_changed()
         log.info("worker removed url=%s in_flight=%d", url, worker.in_flight)
         return worker
 
@@ -340,20 +362,31 @@ class Router:
     # ---- the hot path --------------------------------------------------------------------
 
     def _eligible(self, role: str, exclude: set[str]) -> list[Worker]:
+        """The workers of ``role`` in rotation, less ``exclude``. Asked on every request, so the
+        answer is kept until a worker's health, circuit or registration changes, or an open
+        circuit half-opens; the list is shared, not to be changed by callers."""
         now = time.monotonic()
-        cb = self.config.cb_timeout_duration_secs
-        return [
-            w
-            for w in self.workers.values()
-            if w.role == role and w.url not in exclude and w.eligible(now, cb)
-        ]
+        changes = (Worker.rotation_changes, self._registry_changes)
+        kept = self._rotations.get(role)
+        if kept is None or kept[0] != changes or now >= kept[1]:
+            cb = self.config.cb_timeout_duration_secs
+            workers = [w for w in self.workers.values() if w.role == role]
+            half_open = min(
+                (t + cb for w in workers if (t := w.opened_at) is not None and t + cb > now),
+                default=math.inf,
+            )
+            kept = (changes, half_open, [w for w in workers if w.eligible(now, cb)])
+            self._rotations[role] = kept
+        if exclude:
+            return [w for w in kept[2] if w.url not in exclude]
+        return kept[2]
 
     def _snapshot(self, view: RequestView, workers: list[Worker]) -> ClusterView:
         match = self.index.match(view.key.keys, touch=False)
-        hits = dict(zip(self._order, match.blocks, strict=True))
+        blocks = match.blocks
         now, rate = time.monotonic(), self._prefill_tokens_per_s
         return ClusterView(
-            tuple(w.view(hits.get(w.url, 0), now, rate) for w in workers),
+            tuple([w.view(blocks[w.index_slot], now, rate) for w in workers]),
             match.global_blocks,
             len(view.key.keys),
             view.key.block_tokens,
@@ -364,7 +397,7 @@ class Router:
             value = request.headers.get(h)
             if value:
                 return value
-        return uuid.uuid4().hex
+        return os.urandom(16).hex()  # 32 hex digits as uuid4().hex, at a quarter of the cost
 
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
         api = ROUTES[request.path]
@@ -374,14 +407,16 @@ class Router:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
-        try:
-            body = loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            return self._count(api, error_json(400, "request body is not valid JSON"))
-        try:
-            view = view_request(api, body, request.headers)
-        except BadRequest as e:
-            return self._count(api, error_json(400, str(e)))
+        view = view_body(api, raw, request.headers)
+        if view is None:  # what the fast path leaves to the reference, errors included
+            try:
+                body = loads(raw)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                return self._count(api, error_json(400, "request body is not valid JSON"))
+            try:
+                view = view_request(api, body, request.headers)
+            except BadRequest as e:
+                return self._count(api, error_json(400, str(e)))
         self.prompt_tokens += view.prompt_tokens
         if self.config.pd_disaggregation:
             resp = await self._route_pd(request, raw, view, rid, t0)
@@ -417,14 +452,15 @@ class Router:
             tried.add(worker.url)
             self.decisions[(self.policy.name, decision.reason)] += 1
             hit = cluster.local_hit_tokens(decision.worker, view.prompt_tokens)
-            log.debug(
-                "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
-                rid,
-                worker.url,
-                decision.reason,
-                hit,
-                attempt,
-            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
+                    rid,
+                    worker.url,
+                    decision.reason,
+                    hit,
+                    attempt,
+                )
             try:
                 return await self._forward(request, raw, view, worker, decision, rid, hit, t0)
             except Retry as e:
@@ -503,12 +539,9 @@ class Router:
         if "Authorization" in request.headers:
             headers["Authorization"] = request.headers["Authorization"]
         headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=c.health_check_timeout_secs, sock_read=c.request_timeout_secs
-        )
         try:
             async with self.session.post(
-                worker.url + request.path, data=raw, headers=headers, timeout=timeout
+                worker.url + request.path, data=raw, headers=headers, timeout=self._upstream_timeout
             ) as up:
                 if up.status >= 500:
                     worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)

@@ -5,8 +5,25 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 from smetric.cluster import WorkerView
+
+_VIEW_FIELDS = frozenset(
+    (
+        "url",
+        "in_flight",
+        "queued_prefill_tokens",
+        "running_decode_tokens",
+        "polled_running",
+        "polled_waiting",
+        "token_usage",
+    )
+)
+"""The fields a ``WorkerView`` shows: setting one drops the cached view."""
+_ROTATION_FIELDS = frozenset(("role", "healthy", "removed", "opened_at"))
+"""The fields that decide whether a worker is eligible: setting one counts a rotation change."""
+_new_tuple = tuple.__new__
 
 
 @dataclass
@@ -46,9 +63,24 @@ class Worker:
     errors_total: int = 0
     removed: bool = False
     id: str = field(init=False)
+    index_slot: int = field(default=-1, init=False, repr=False, compare=False)
+    """The worker's position in the prefix index's ``instances()``, which is where its hit is in
+    a match (the router sets it as workers come and go)."""
+    _view: WorkerView | None = field(default=None, init=False, repr=False, compare=False)
+    """The last view handed out; a policy sees every worker on every request, and most of them
+    have not changed since."""
+    rotation_changes: ClassVar[int] = 0
+    """Changes, to any worker, of a field that decides whether it is eligible."""
 
     def __post_init__(self) -> None:
         self.id = "w-" + hashlib.sha1(self.url.encode()).hexdigest()[:10]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        if name in _VIEW_FIELDS:
+            self.__dict__["_view"] = None
+        elif name in _ROTATION_FIELDS:
+            Worker.rotation_changes += 1
 
     # ---- circuit breaker -----------------------------------------------------------------
 
@@ -58,7 +90,12 @@ class Worker:
         return now - self.opened_at < timeout_s  # after the timeout: half-open, may be tried
 
     def eligible(self, now: float, cb_timeout_s: float) -> bool:
-        return self.healthy and not self.removed and not self.circuit_open(now, cb_timeout_s)
+        # Asked of every worker on every request: the closed circuit is decided without a call.
+        return (
+            self.healthy
+            and not self.removed
+            and (self.opened_at is None or not self.circuit_open(now, cb_timeout_s))
+        )
 
     def record_failure(self, threshold: int, enabled: bool) -> None:
         self.errors_total += 1
@@ -80,25 +117,35 @@ class Worker:
     def view(
         self, local_hit_blocks: int, now: float = 0.0, prefill_tokens_per_s: float = 0.0
     ) -> WorkerView:
-        # Own accounting is instant; what the worker reports also counts traffic that did not
-        # come through this router. The larger of the two is the better guess.
-        polled_total = self.polled_running + self.polled_waiting
-        queued = self.queued_prefill_tokens
+        """The worker as a policy sees it, built again only when its load or the hit changed;
+        with a prefill rate, its queued prefill less what it has got through meanwhile."""
+        v = self._view
+        if v is not None:
+            if v.local_hit_blocks != local_hit_blocks:
+                v = _new_tuple(WorkerView, (*v[:-1], local_hit_blocks))
+        else:
+            # Own accounting is instant; what the worker reports also counts traffic that did
+            # not come through this router. The larger of the two is the better guess.
+            polled_total = self.polled_running + self.polled_waiting
+            v = WorkerView(
+                self.url,
+                max(self.in_flight, polled_total),
+                self.queued_prefill_tokens,
+                self.running_decode_tokens,
+                self.polled_running,
+                self.polled_waiting,
+                self.token_usage,
+                local_hit_blocks,
+            )
+        self.__dict__["_view"] = v
+        queued = v.queued_prefill_tokens
         if queued > 0 and prefill_tokens_per_s > 0:
             # Queued prefill leaves only at a first token, but the worker has been at it since
-            # ``prefill_since``: count what it has got through meanwhile as done.
+            # ``prefill_since``: count what it has got through meanwhile as done (a fresh tuple:
+            # this part changes with the clock, so it is not kept).
             done = (now - self.prefill_since) * self.time_scale * prefill_tokens_per_s
-            queued = max(queued - round(done), 0)
-        return WorkerView(
-            self.url,
-            max(self.in_flight, polled_total),
-            queued,
-            self.running_decode_tokens,
-            self.polled_running,
-            self.polled_waiting,
-            self.token_usage,
-            local_hit_blocks,
-        )
+            v = v._replace(queued_prefill_tokens=max(queued - round(done), 0))
+        return v
 
     def describe(self) -> dict[str, object]:
         return {

@@ -6,6 +6,7 @@
 
 pub mod index;
 pub mod keys;
+pub mod request;
 
 #[cfg(feature = "python")]
 mod python;

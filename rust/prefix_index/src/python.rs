@@ -11,6 +11,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use crate::index::{IndexError, InstanceStats, PrefixIndex, GLOBAL_TIER};
 use crate::keys;
+use crate::request::{self, Api, Prompt};
 
 fn index_error(e: IndexError) -> PyErr {
     match e {
@@ -250,6 +251,47 @@ fn hash_tokens_sglang(token_ids: &Bound<'_, PyAny>, page_size: i64) -> PyResult<
     Ok(PyBlockKeys { keys })
 }
 
+/// What `key_request_body` returns: keys, prompt length (bytes of text or token ids), whether
+/// the prompt is token ids, max new tokens (None: the body names none), stream, first turn.
+type KeyedBody = (PyBlockKeys, usize, bool, Option<u64>, bool, Option<bool>);
+
+/// The router's fast path: a generation request keyed straight from its body bytes, as
+/// `smetric.request.view_request` would key the parsed body; None where that reference must
+/// decide (see `request.rs`).
+#[pyfunction]
+#[pyo3(signature = (api, body, text_block_bytes, token_block_tokens))]
+fn key_request_body(
+    api: &str,
+    body: &Bound<'_, PyBytes>,
+    text_block_bytes: i64,
+    token_block_tokens: i64,
+) -> PyResult<Option<KeyedBody>> {
+    let api = match api {
+        "generate" => Api::Generate,
+        "chat" => Api::Chat,
+        "completions" => Api::Completions,
+        other => return Err(PyValueError::new_err(format!("unknown api {other:?}"))),
+    };
+    let text_block_bytes = positive("text_block_bytes", text_block_bytes)?;
+    let token_block_tokens = positive("token_block_tokens", token_block_tokens)?;
+    let raw = body.as_bytes();
+    Ok(body.py().detach(|| {
+        let view = request::view_body(api, raw)?;
+        let (keys, len, tokens) = match &view.prompt {
+            Prompt::Text(text) => (keys::hash_text(text, text_block_bytes), text.len(), false),
+            Prompt::Tokens(ids) => (keys::hash_tokens(ids, token_block_tokens), ids.len(), true),
+        };
+        Some((
+            PyBlockKeys { keys },
+            len,
+            tokens,
+            view.max_new_tokens,
+            view.stream,
+            view.is_first_turn,
+        ))
+    }))
+}
+
 /// The result of `PrefixIndex.match`.
 #[pyclass(frozen, module = "smetric._prefix_index", name = "Match", sequence)]
 pub struct PyMatch {
@@ -479,6 +521,7 @@ fn _prefix_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_text, m)?)?;
     m.add_function(wrap_pyfunction!(hash_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hash_tokens_sglang, m)?)?;
+    m.add_function(wrap_pyfunction!(key_request_body, m)?)?;
     m.add("GLOBAL_TIER", GLOBAL_TIER)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,811 @@
+//! Keying a generation request straight from its body bytes: the router's fast path.
+//!
+//! `smetric.request.view_request` (Python, over the parsed body) is the reference; this module
+//! produces the same prompt (the chat serialization its docstring describes, the text, or the
+//! token ids) and the same few facts, without building Python objects for a body that is mostly
+//! two or three long strings. One pass validates the body as JSON and decodes every string into
+//! one buffer; the key is then put together from slices of it.
+//!
+//! It answers only when it is sure: anything the reference would reject, and anything whose
+//! Python value is awkward to reproduce (floats in serialized JSON, integers beyond 64 bits,
+//! lone surrogates, deep nesting, non-string `tool_call_id`s), yields `None`, and the caller
+//! takes the reference path, which then gives the answer or the error.
+
+/// Which API a body belongs to (the reference's `api` argument).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Generate,
+    Chat,
+    Completions,
+}
+
+/// A body's prompt, ready to key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prompt {
+    /// UTF-8 text (for chat, the serialization of tools and messages).
+    Text(Vec<u8>),
+    Tokens(Vec<u32>),
+}
+
+/// What the fast path reads from a body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BodyView {
+    pub prompt: Prompt,
+    /// `None`: the body names no limit (the caller applies its default).
+    pub max_new_tokens: Option<u64>,
+    pub stream: bool,
+    /// Chat only: no assistant or tool message yet.
+    pub is_first_turn: Option<bool>,
+}
+
+/// Nesting beyond this is left to the reference (whose parsers allow more).
+const MAX_DEPTH: usize = 128;
+
+/// A decoded string: a range of `Doc::text`.
+#[derive(Clone, Copy, Debug)]
+struct Span {
+    start: usize,
+    end: usize,
+}
+
+#[derive(Debug)]
+enum Value<'a> {
+    Null,
+    Bool(bool),
+    /// The literal, validated against JSON's number grammar.
+    Number(&'a [u8]),
+    Str(Span),
+    Array(Vec<Value<'a>>),
+    /// Members in body order, duplicates kept (lookups take the last, as a parsed dict does).
+    Object(Vec<(Span, Value<'a>)>),
+}
+
+/// A parsed body: its value tree, and the decoded text of all its strings.
+struct Doc<'a> {
+    root: Value<'a>,
+    text: Vec<u8>,
+}
+
+impl<'a> Doc<'a> {
+    fn str(&self, s: Span) -> &[u8] {
+        &self.text[s.start..s.end]
+    }
+
+    /// The member of `object` named `key` (the last one, as in a dict parsed from the body).
+    fn get<'v>(&self, object: &'v Value<'a>, key: &[u8]) -> Option<&'v Value<'a>> {
+        match object {
+            Value::Object(members) => members
+                .iter()
+                .rev()
+                .find(|(k, _)| self.str(*k) == key)
+                .map(|m| &m.1),
+            _ => None,
+        }
+    }
+
+    /// `get`, with a JSON null read as absent (Python's `d.get(k) is None`).
+    fn get_some<'v>(&self, object: &'v Value<'a>, key: &[u8]) -> Option<&'v Value<'a>> {
+        self.get(object, key).filter(|v| !matches!(v, Value::Null))
+    }
+
+    fn is_str(&self, v: &Value<'a>, s: &[u8]) -> bool {
+        matches!(v, Value::Str(span) if self.str(*span) == s)
+    }
+}
+
+/// An integer literal's value; `None` for a float literal or one beyond 64 bits (the reference
+/// sees a float or a big int there; either way, its business).
+fn int_literal(lit: &[u8]) -> Option<i128> {
+    if lit.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+        return None;
+    }
+    let v: i128 = std::str::from_utf8(lit).ok()?.parse().ok()?;
+    (i64::MIN as i128..=u64::MAX as i128)
+        .contains(&v)
+        .then_some(v)
+}
+
+/// Python's `bool(value)` for a parsed JSON value; `None` where a float decides.
+fn truthy(v: &Value<'_>) -> Option<bool> {
+    Some(match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        // An integer literal of any size (the reference may see a float beyond 64 bits).
+        Value::Number(lit) => {
+            if lit.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+                return None;
+            }
+            lit.iter().any(|b| matches!(b, b'1'..=b'9'))
+        }
+        Value::Str(s) => s.end > s.start,
+        Value::Array(items) => !items.is_empty(),
+        Value::Object(members) => !members.is_empty(),
+    })
+}
+
+// ---- parsing -----------------------------------------------------------------------------
+
+/// Bytes a string scan looks at in one step.
+const CHUNK: usize = 16;
+
+/// A bit per byte of `chunk` (bit `i` for byte `i`) that is `"`, `\` or a control character
+/// (below 0x20): the bytes a string scan must stop at; and a bit per byte that is not ASCII.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
+    use std::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
+    let v: __m128i = bytemuck::cast(chunk);
+    // SAFETY: these intrinsics only need SSE2, which every x86_64 CPU has (it is part of the
+    // architecture's baseline), and they touch no memory: only the value `v`.
+    let (stops, high) = unsafe {
+        let quote = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'"' as i8));
+        let backslash = _mm_cmpeq_epi8(v, _mm_set1_epi8(b'\\' as i8));
+        let low = _mm_set1_epi8(0x1f);
+        let control = _mm_cmpeq_epi8(_mm_max_epu8(v, low), low); // v <= 0x1f, unsigned
+        let stops = _mm_or_si128(_mm_or_si128(quote, backslash), control);
+        (_mm_movemask_epi8(stops), _mm_movemask_epi8(v))
+    };
+    (stops as u32, high as u32)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+#[inline]
+fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
+    let (mut stops, mut high) = (0u32, 0u32);
+    for (i, &b) in chunk.iter().enumerate() {
+        stops |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
+        high |= u32::from(b >= 0x80) << i;
+    }
+    (stops, high)
+}
+
+fn hex4(b: &[u8]) -> Option<u32> {
+    let mut v = 0u32;
+    for &c in b.get(..4)? {
+        v = v * 16 + (c as char).to_digit(16)?;
+    }
+    Some(v)
+}
+
+struct Parser<'a> {
+    bytes: &'a [u8],
+    pos: usize,
+    /// Decoded strings, back to back.
+    text: Vec<u8>,
+}
+
+impl<'a> Parser<'a> {
+    fn peek(&self) -> Option<u8> {
+        self.bytes.get(self.pos).copied()
+    }
+
+    fn skip_ws(&mut self) {
+        while let Some(b' ' | b'\t' | b'\n' | b'\r') = self.peek() {
+            self.pos += 1;
+        }
+    }
+
+    fn literal(&mut self, word: &[u8]) -> Option<()> {
+        let end = self.pos + word.len();
+        (self.bytes.get(self.pos..end)? == word).then(|| self.pos = end)
+    }
+
+    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        self.skip_ws();
+        match self.peek()? {
+            b'{' => {
+                self.pos += 1;
+                let mut members = Vec::new();
+                self.skip_ws();
+                if self.peek()? == b'}' {
+                    self.pos += 1;
+                    return Some(Value::Object(members));
+                }
+                loop {
+                    self.skip_ws();
+                    if self.peek()? != b'"' {
+                        return None;
+                    }
+                    self.pos += 1;
+                    let key = self.string()?;
+                    self.skip_ws();
+                    if self.peek()? != b':' {
+                        return None;
+                    }
+                    self.pos += 1;
+                    let v = self.value(depth + 1)?;
+                    members.push((key, v));
+                    self.skip_ws();
+                    match self.peek()? {
+                        b',' => self.pos += 1,
+                        b'}' => {
+                            self.pos += 1;
+                            return Some(Value::Object(members));
+                        }
+                        _ => return None,
+                    }
+                }
+            }
+            b'[' => {
+                self.pos += 1;
+                let mut items = Vec::new();
+                self.skip_ws();
+                if self.peek()? == b']' {
+                    self.pos += 1;
+                    return Some(Value::Array(items));
+                }
+                loop {
+                    items.push(self.value(depth + 1)?);
+                    self.skip_ws();
+                    match self.peek()? {
+                        b',' => self.pos += 1,
+                        b']' => {
+                            self.pos += 1;
+                            return Some(Value::Array(items));
+                        }
+                        _ => return None,
+                    }
+                }
+            }
+            b'"' => {
+                self.pos += 1;
+                self.string().map(Value::Str)
+            }
+            b't' => self.literal(b"true").map(|_| Value::Bool(true)),
+            b'f' => self.literal(b"false").map(|_| Value::Bool(false)),
+            b'n' => self.literal(b"null").map(|_| Value::Null),
+            _ => self.number().map(Value::Number),
+        }
+    }
+
+    /// Decodes a string into `text`, from just after its opening quote; leaves `pos` after the
+    /// closing one. Chunks are copied before they are checked: what follows a stop is cut off.
+    /// Strings are the only place JSON allows bytes beyond ASCII; a string that has any is
+    /// checked to be UTF-8.
+    fn string(&mut self) -> Option<Span> {
+        let bytes = self.bytes;
+        let start = self.text.len();
+        let raw_start = self.pos;
+        let mut high = 0u32;
+        let mut pos = self.pos;
+        let text = &mut self.text;
+        loop {
+            while let Some(chunk) = bytes.get(pos..pos + CHUNK) {
+                let chunk: [u8; CHUNK] = chunk.try_into().expect("a whole chunk");
+                text.extend_from_slice(&chunk);
+                let (stops, chunk_high) = string_stops(chunk);
+                high |= chunk_high;
+                if stops != 0 {
+                    let clean = stops.trailing_zeros() as usize;
+                    text.truncate(text.len() - CHUNK + clean);
+                    pos += clean;
+                    break;
+                }
+                pos += CHUNK;
+            }
+            match *bytes.get(pos)? {
+                b'"' => {
+                    if high != 0 {
+                        std::str::from_utf8(&bytes[raw_start..pos]).ok()?;
+                    }
+                    self.pos = pos + 1;
+                    return Some(Span {
+                        start,
+                        end: text.len(),
+                    });
+                }
+                b'\\' => {
+                    // The common escapes inline; \u escapes out of line.
+                    let decoded = match *bytes.get(pos + 1)? {
+                        b'n' => b'\n',
+                        b'"' => b'"',
+                        b'\\' => b'\\',
+                        b't' => b'\t',
+                        b'r' => b'\r',
+                        b'/' => b'/',
+                        b'b' => 0x08,
+                        b'f' => 0x0c,
+                        b'u' => {
+                            pos = unicode_escape(bytes, pos, text)?;
+                            continue;
+                        }
+                        _ => return None,
+                    };
+                    text.push(decoded);
+                    pos += 2;
+                }
+                0..=0x1f => return None,
+                b => {
+                    high |= u32::from(b >= 0x80);
+                    text.push(b);
+                    pos += 1;
+                }
+            }
+        }
+    }
+
+    fn digits(&mut self) -> usize {
+        let start = self.pos;
+        while let Some(b'0'..=b'9') = self.peek() {
+            self.pos += 1;
+        }
+        self.pos - start
+    }
+
+    fn number(&mut self) -> Option<&'a [u8]> {
+        let start = self.pos;
+        if self.peek() == Some(b'-') {
+            self.pos += 1;
+        }
+        match self.peek()? {
+            b'0' => self.pos += 1,
+            b'1'..=b'9' => {
+                self.digits();
+            }
+            _ => return None,
+        }
+        if self.peek() == Some(b'.') {
+            self.pos += 1;
+            if self.digits() == 0 {
+                return None;
+            }
+        }
+        if let Some(b'e' | b'E') = self.peek() {
+            self.pos += 1;
+            if let Some(b'+' | b'-') = self.peek() {
+                self.pos += 1;
+            }
+            if self.digits() == 0 {
+                return None;
+            }
+        }
+        Some(&self.bytes[start..self.pos])
+    }
+}
+
+/// Decodes the `\\u` escape at `pos` (its backslash) into `text`; returns where it ends. A
+/// surrogate must pair up with the escape after it; a lone one is left to the reference.
+fn unicode_escape(bytes: &[u8], pos: usize, text: &mut Vec<u8>) -> Option<usize> {
+    let mut code = hex4(bytes.get(pos + 2..)?)?;
+    let mut end = pos + 6;
+    match code {
+        0xD800..=0xDBFF => {
+            if bytes.get(end..end + 2)? != b"\\u" {
+                return None;
+            }
+            let low = hex4(bytes.get(end + 2..)?)?;
+            if !(0xDC00..=0xDFFF).contains(&low) {
+                return None;
+            }
+            end += 6;
+            code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
+        }
+        0xDC00..=0xDFFF => return None,
+        _ => {}
+    }
+    let ch = char::from_u32(code)?;
+    text.extend_from_slice(ch.encode_utf8(&mut [0u8; 4]).as_bytes());
+    Some(end)
+}
+
+/// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep).
+fn parse(body: &[u8]) -> Option<Doc<'_>> {
+    let mut p = Parser {
+        bytes: body,
+        pos: 0,
+        // Decoded strings are never longer than the body; the slack takes a whole last chunk.
+        text: Vec::with_capacity(body.len() + CHUNK),
+    };
+    let root = p.value(0)?;
+    p.skip_ws();
+    (p.pos == body.len()).then_some(Doc { root, text: p.text })
+}
+
+// ---- the reference's compact JSON (orjson, sorted keys) --------------------------------
+
+/// Appends `s` as orjson writes a string: quotes, backslashes and control characters escaped
+/// (the short forms where JSON has them, else `\u00xx`), everything else as it is.
+fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
+    out.push(b'"');
+    let mut run = 0;
+    for (i, &b) in s.iter().enumerate() {
+        let short = match b {
+            b'"' => b'"',
+            b'\\' => b'\\',
+            b'\n' => b'n',
+            b'\r' => b'r',
+            b'\t' => b't',
+            0x08 => b'b',
+            0x0c => b'f',
+            0..=0x1f => 0,
+            _ => continue,
+        };
+        out.extend_from_slice(&s[run..i]);
+        run = i + 1;
+        if short == 0 {
+            const HEX: &[u8; 16] = b"0123456789abcdef";
+            out.extend_from_slice(b"\\u00");
+            out.push(HEX[usize::from(b >> 4)]);
+            out.push(HEX[usize::from(b & 0xf)]);
+        } else {
+            out.push(b'\\');
+            out.push(short);
+        }
+    }
+    out.extend_from_slice(&s[run..]);
+    out.push(b'"');
+}
+
+/// Appends `v` as `orjson.dumps(v, option=OPT_SORT_KEYS)` writes the parsed value; `None` for a
+/// float (whose shortest-repr formatting is the reference's business) or an integer beyond
+/// 64 bits.
+fn write_compact(doc: &Doc<'_>, out: &mut Vec<u8>, v: &Value<'_>) -> Option<()> {
+    match v {
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(true) => out.extend_from_slice(b"true"),
+        Value::Bool(false) => out.extend_from_slice(b"false"),
+        Value::Number(lit) => out.extend_from_slice(int_literal(lit)?.to_string().as_bytes()),
+        Value::Str(s) => write_json_str(out, doc.str(*s)),
+        Value::Array(items) => {
+            out.push(b'[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                write_compact(doc, out, item)?;
+            }
+            out.push(b']');
+        }
+        Value::Object(members) => {
+            let mut sorted: Vec<&(Span, Value<'_>)> = members.iter().collect();
+            // Stable: among equal keys the last one stays last, and it is the dict's value.
+            // UTF-8 byte order is code point order, which is how the reference sorts.
+            sorted.sort_by(|a, b| doc.str(a.0).cmp(doc.str(b.0)));
+            out.push(b'{');
+            let mut first = true;
+            for (i, (key, value)) in sorted.iter().map(|m| (doc.str(m.0), &m.1)).enumerate() {
+                if sorted.get(i + 1).is_some_and(|next| doc.str(next.0) == key) {
+                    continue;
+                }
+                if !first {
+                    out.push(b',');
+                }
+                first = false;
+                write_json_str(out, key);
+                out.push(b':');
+                write_compact(doc, out, value)?;
+            }
+            out.push(b'}');
+        }
+    }
+    Some(())
+}
+
+// ---- the APIs ----------------------------------------------------------------------------
+
+/// A `max_tokens`-like limit: absent/null is `Some(None)`; a non-negative integer is the limit;
+/// anything else is the reference's (it rejects it).
+fn limit(v: Option<&Value<'_>>) -> Option<Option<u64>> {
+    match v {
+        None | Some(Value::Null) => Some(None),
+        Some(Value::Number(lit)) => Some(Some(u64::try_from(int_literal(lit)?).ok()?)),
+        Some(_) => None,
+    }
+}
+
+/// Token ids (ints in 0..2**32), from a non-empty list.
+fn token_list(items: &[Value<'_>]) -> Option<Vec<u32>> {
+    if items.is_empty() {
+        return None;
+    }
+    items
+        .iter()
+        .map(|t| match t {
+            Value::Number(lit) => u32::try_from(int_literal(lit)?).ok(),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Appends a message's content as the reference's `_content_text` renders it.
+fn content_text(doc: &Doc<'_>, out: &mut Vec<u8>, content: Option<&Value<'_>>) -> Option<()> {
+    match content {
+        None | Some(Value::Null) => {}
+        Some(Value::Str(s)) => out.extend_from_slice(doc.str(*s)),
+        Some(Value::Array(parts)) => {
+            for part in parts {
+                let text = match part {
+                    Value::Object(_) => {
+                        let kind = doc.get(part, b"type");
+                        if !kind.is_none_or(|t| doc.is_str(t, b"text")) {
+                            continue; // images, audio: not keyed
+                        }
+                        doc.get(part, b"text")?
+                    }
+                    other => other,
+                };
+                let Value::Str(s) = text else { return None };
+                out.extend_from_slice(doc.str(*s));
+            }
+        }
+        Some(other) => write_compact(doc, out, other)?,
+    }
+    Some(())
+}
+
+/// Writes the chat serialization to `out`; returns whether it is a first turn.
+fn chat(doc: &Doc<'_>, out: &mut Vec<u8>) -> Option<bool> {
+    let Some(Value::Array(messages)) = doc.get(&doc.root, b"messages") else {
+        return None;
+    };
+    if messages.is_empty() {
+        return None;
+    }
+    let mut roles = Vec::with_capacity(messages.len());
+    for m in messages {
+        let Some(Value::Str(role)) = doc.get(m, b"role") else {
+            return None;
+        };
+        roles.push(doc.str(*role));
+    }
+    match doc.get(&doc.root, b"tools") {
+        None | Some(Value::Null) => {}
+        Some(tools @ Value::Array(items)) => {
+            if !items.is_empty() {
+                out.extend_from_slice(b"<|tools|>");
+                write_compact(doc, out, tools)?;
+                out.push(b'\n');
+            }
+        }
+        Some(_) => return None,
+    }
+    for (m, role) in messages.iter().zip(&roles) {
+        out.extend_from_slice(b"<|");
+        out.extend_from_slice(role);
+        out.extend_from_slice(b"|>");
+        content_text(doc, out, doc.get(m, b"content"))?;
+        if let Some(calls) = doc.get(m, b"tool_calls") {
+            if truthy(calls)? {
+                out.extend_from_slice(b"<|calls|>");
+                write_compact(doc, out, calls)?;
+            }
+        }
+        match doc.get(m, b"tool_call_id") {
+            None | Some(Value::Null | Value::Bool(false)) => {}
+            Some(Value::Str(id)) => {
+                if id.end > id.start {
+                    out.extend_from_slice(b"<|id|>");
+                    out.extend_from_slice(doc.str(*id));
+                }
+            }
+            Some(_) => return None, // str() of anything else is the reference's
+        }
+        out.push(b'\n');
+    }
+    Some(!roles.iter().any(|r| *r == b"assistant" || *r == b"tool"))
+}
+
+fn generate(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
+    let root = &doc.root;
+    let params = match doc.get(root, b"sampling_params") {
+        Some(p @ Value::Object(_)) => Some(p),
+        None => None,
+        Some(falsy) if !truthy(falsy)? => None, // `or {}`
+        Some(_) => return None,
+    };
+    let max_new = limit(params.and_then(|p| doc.get(p, b"max_new_tokens")))?;
+    let prompt = match (
+        doc.get_some(root, b"text"),
+        doc.get_some(root, b"input_ids"),
+    ) {
+        (Some(text), None) => {
+            let text = match text {
+                Value::Array(items)
+                    if !items.is_empty() && items.iter().all(|t| matches!(t, Value::Str(_))) =>
+                {
+                    &items[0]
+                }
+                other => other,
+            };
+            let Value::Str(s) = text else { return None };
+            Prompt::Text(doc.str(*s).to_vec())
+        }
+        (None, Some(ids)) => {
+            let ids = match ids {
+                Value::Array(items) if matches!(items.first(), Some(Value::Array(_))) => &items[0],
+                other => other,
+            };
+            let Value::Array(ids) = ids else { return None };
+            Prompt::Tokens(token_list(ids)?)
+        }
+        _ => return None,
+    };
+    Some((prompt, max_new))
+}
+
+fn completions(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
+    let max_new = limit(doc.get(&doc.root, b"max_tokens"))?;
+    let prompt = match doc.get(&doc.root, b"prompt")? {
+        Value::Str(s) => Prompt::Text(doc.str(*s).to_vec()),
+        Value::Array(items) => match items.first()? {
+            Value::Str(s) => Prompt::Text(doc.str(*s).to_vec()),
+            Value::Number(_) => Prompt::Tokens(token_list(items)?),
+            _ => return None,
+        },
+        _ => return None,
+    };
+    Some((prompt, max_new))
+}
+
+/// What the reference would make of `body` for `api`, or `None` where the reference must decide
+/// (including every body it rejects).
+pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView> {
+    let doc = parse(body)?;
+    if !matches!(doc.root, Value::Object(_)) {
+        return None;
+    }
+    let stream = match doc.get(&doc.root, b"stream") {
+        None => false,
+        Some(s) => truthy(s)?,
+    };
+    let (prompt, max_new_tokens, is_first_turn) = match api {
+        Api::Chat => {
+            let mut text = Vec::with_capacity(doc.text.len() + 4096);
+            let first = chat(&doc, &mut text)?;
+            let max_new = match doc.get(&doc.root, b"max_completion_tokens") {
+                Some(value) => limit(Some(value))?,
+                None => limit(doc.get(&doc.root, b"max_tokens"))?,
+            };
+            (Prompt::Text(text), max_new, Some(first))
+        }
+        Api::Generate => {
+            let (prompt, max_new) = generate(&doc)?;
+            (prompt, max_new, None)
+        }
+        Api::Completions => {
+            let (prompt, max_new) = completions(&doc)?;
+            (prompt, max_new, None)
+        }
+    };
+    Some(BodyView {
+        prompt,
+        max_new_tokens,
+        stream,
+        is_first_turn,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn text(api: Api, body: &str) -> Vec<u8> {
+        match view_body(api, body.as_bytes()).expect("fast path").prompt {
+            Prompt::Text(t) => t,
+            Prompt::Tokens(_) => panic!("expected text"),
+        }
+    }
+
+    #[test]
+    fn chat_serializes_tools_and_messages_like_the_reference() {
+        let body = r#"{"tools":[{"z":1,"a":{"y":null,"b":[true,false]}}],
+            "messages":[{"role":"system","content":"be \"brief\"\n"},
+                        {"role":"user","content":[{"type":"text","text":"a"},
+                                                  {"type":"image_url","image_url":{}},
+                                                  "b"]},
+                        {"role":"assistant","content":null,
+                         "tool_calls":[{"id":"c1","function":{"name":"f"}}]},
+                        {"role":"tool","content":"ok","tool_call_id":"c1"}]}"#;
+        let expected = concat!(
+            "<|tools|>[{\"a\":{\"b\":[true,false],\"y\":null},\"z\":1}]\n",
+            "<|system|>be \"brief\"\n\n",
+            "<|user|>ab\n",
+            "<|assistant|><|calls|>[{\"function\":{\"name\":\"f\"},\"id\":\"c1\"}]\n",
+            "<|tool|>ok<|id|>c1\n",
+        );
+        assert_eq!(String::from_utf8(text(Api::Chat, body)).unwrap(), expected);
+        let view = view_body(Api::Chat, body.as_bytes()).unwrap();
+        assert_eq!(view.is_first_turn, Some(false));
+        assert_eq!(view.max_new_tokens, None);
+        assert!(!view.stream);
+    }
+
+    #[test]
+    fn escapes_decode_and_serialized_strings_escape_as_orjson_does() {
+        let body = r#"{"messages":[{"role":"u\u0073er","content":"\u00e9\ud83d\ude00\/\t"}],
+                       "tools":[{"d":"\u0001\b\u007f\u00e9"}]}"#;
+        let expected = "<|tools|>[{\"d\":\"\\u0001\\b\u{7f}é\"}]\n<|user|>é😀/\t\n";
+        assert_eq!(String::from_utf8(text(Api::Chat, body)).unwrap(), expected);
+    }
+
+    #[test]
+    fn duplicate_keys_take_the_last_value() {
+        let body = r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_tokens":7,
+                       "tools":[{"k":1,"k":2}]}"#;
+        let view = view_body(Api::Chat, body.as_bytes()).unwrap();
+        assert_eq!(view.max_new_tokens, Some(7));
+        assert_eq!(
+            view.prompt,
+            Prompt::Text(b"<|tools|>[{\"k\":2}]\n<|user|>x\n".to_vec())
+        );
+    }
+
+    #[test]
+    fn generate_and_completions_take_text_or_token_ids() {
+        let v = view_body(
+            Api::Generate,
+            br#"{"input_ids":[[1,2,3],[4]],"sampling_params":{"max_new_tokens":9},"stream":1}"#,
+        )
+        .unwrap();
+        assert_eq!(v.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(
+            (v.max_new_tokens, v.stream, v.is_first_turn),
+            (Some(9), true, None)
+        );
+        let v = view_body(
+            Api::Completions,
+            br#"{"prompt":["hi","there"],"max_tokens":0}"#,
+        )
+        .unwrap();
+        assert_eq!(v.prompt, Prompt::Text(b"hi".to_vec()));
+        assert_eq!(v.max_new_tokens, Some(0));
+    }
+
+    #[test]
+    fn what_the_reference_must_decide_is_left_to_it() {
+        for (api, body) in [
+            (Api::Chat, r#"{"messages":[]}"#),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user"}],"max_tokens":-1}"#,
+            ),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user"}],"max_tokens":1.0}"#,
+            ),
+            (Api::Chat, r#"{"messages":[{"role":"user","content":1.5}]}"#),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"\ud800"}]}"#,
+            ),
+            (Api::Chat, r#"{"messages":[{"role":"user"}]} x"#),
+            (
+                Api::Chat,
+                r#"{"messages":[{"role":"user","content":"a	b"}]}"#,
+            ),
+            (Api::Generate, r#"{"text":"a","input_ids":[1]}"#),
+            (Api::Generate, r#"{"input_ids":[4294967296]}"#),
+            (Api::Generate, r#"{"input_ids":[true]}"#),
+            (Api::Completions, r#"{"prompt":NaN}"#),
+            (Api::Completions, r#"[1]"#),
+        ] {
+            assert_eq!(view_body(api, body.as_bytes()), None, "{body}");
+        }
+        let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+        let body = format!(r#"{{"prompt":"p","x":{deep}}}"#);
+        assert_eq!(view_body(Api::Completions, body.as_bytes()), None);
+        // Bytes beyond ASCII must be UTF-8, in a scanned chunk or in the body's last bytes.
+        assert_eq!(view_body(Api::Completions, b"{\"prompt\":\"\xff\"}"), None);
+        let mut long = br#"{"prompt":""#.to_vec();
+        long.extend(b"a".repeat(40));
+        long.extend(b"\xc3\x28"); // a lead byte without its continuation
+        long.extend(b"a".repeat(40));
+        long.extend(br#""}"#);
+        assert_eq!(view_body(Api::Completions, &long), None);
+        assert_eq!(view_body(Api::Completions, b"{\"prompt\":\"a\"}\xff"), None);
+        assert!(view_body(Api::Completions, "{\"prompt\":\"é\"}".as_bytes()).is_some());
+    }
+
+    #[test]
+    fn long_strings_cross_scan_chunks_intact() {
+        let content: String = (0..500).map(|i| format!("line {i}: \u{e9}\\n")).collect();
+        let body = format!(r#"{{"messages":[{{"role":"user","content":"{content}"}}]}}"#);
+        let expected = format!("<|user|>{}\n", content.replace("\\n", "\n"));
+        assert_eq!(text(Api::Chat, &body), expected.into_bytes());
+    }
+}

@@ -1,0 +1,106 @@
+"""What the router keeps between requests to decide fast: each worker's last view, and the set of
+workers in rotation. Kept state must never be stale: these tests change what it was built from
+and ask again."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from smetric.cluster import WorkerView
+from smetric.request import view_request
+from smetric.router import Router, RouterConfig
+from smetric.router import app as app_module
+from smetric.router.workers import Worker
+
+URLS = [f"http://10.0.0.{i}:30000" for i in range(4)]
+
+
+def fresh_view(w: Worker, hit: int) -> WorkerView:
+    return WorkerView(
+        w.url,
+        max(w.in_flight, w.polled_running + w.polled_waiting),
+        w.queued_prefill_tokens,
+        w.running_decode_tokens,
+        w.polled_running,
+        w.polled_waiting,
+        w.token_usage,
+        hit,
+    )
+
+
+def router(**config: Any) -> Router:
+    r = Router(RouterConfig(**config))
+    for url in URLS:
+        r._admit(Worker(url))
+    return r
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("in_flight", 3),
+        ("queued_prefill_tokens", 100),
+        ("running_decode_tokens", 200),
+        ("polled_running", 5),
+        ("polled_waiting", 7),
+        ("token_usage", 0.5),
+    ],
+)
+def test_a_worker_view_follows_every_change_of_load(field, value):
+    w = Worker(URLS[0])
+    assert w.view(4) == fresh_view(w, 4)
+    setattr(w, field, value)
+    assert w.view(4) == fresh_view(w, 4)
+    assert w.view(9) == fresh_view(w, 9)
+
+
+def test_an_unchanged_worker_hands_out_the_same_view():
+    w = Worker(URLS[0])
+    w.in_flight += 1
+    assert w.view(4) is w.view(4)
+    assert w.view(5).local_hit_blocks == 5 and w.view(5).in_flight == 1
+
+
+def test_rotation_drops_an_unhealthy_removed_or_tripped_worker_at_once():
+    r = router()
+    assert [w.url for w in r._eligible("regular", set())] == URLS
+    r.workers[URLS[1]].healthy = False
+    assert [w.url for w in r._eligible("regular", set())] == [URLS[0], *URLS[2:]]
+    r.workers[URLS[1]].healthy = True
+    r.workers[URLS[2]].opened_at = app_module.time.monotonic()
+    assert [w.url for w in r._eligible("regular", set())] == [*URLS[:2], URLS[3]]
+    r.unregister(URLS[0])
+    assert [w.url for w in r._eligible("regular", set())] == [URLS[1], URLS[3]]
+    assert [w.url for w in r._eligible("regular", {URLS[1]})] == [URLS[3]]
+
+
+def test_an_open_circuit_half_opens_when_its_timeout_passes(monkeypatch):
+    r = router(cb_timeout_duration_secs=30.0)
+    now = [1000.0]
+    monkeypatch.setattr(app_module.time, "monotonic", lambda: now[0])
+    r.workers[URLS[0]].opened_at = 1000.0
+    assert URLS[0] not in [w.url for w in r._eligible("regular", set())]
+    now[0] = 1029.0
+    assert URLS[0] not in [w.url for w in r._eligible("regular", set())]
+    now[0] = 1030.0  # nothing changed but the clock
+    assert URLS[0] in [w.url for w in r._eligible("regular", set())]
+
+
+def test_snapshot_pairs_each_worker_with_its_own_hit_as_workers_come_and_go():
+    r = router()
+    keys = view_request("generate", {"text": "x" * 640}).key.keys
+    r.index.insert(URLS[2], keys[:7])
+    r.index.insert(URLS[3], keys[:3])
+    r.unregister(URLS[0])
+    r._admit(Worker(URLS[0]))
+    r.index.insert(URLS[0], keys[:1])
+    view = view_request("generate", {"text": "x" * 640})
+    cluster = r._snapshot(view, r._eligible("regular", set()))
+    assert {w.url: w.local_hit_blocks for w in cluster.workers} == {
+        URLS[0]: 1,
+        URLS[1]: 0,
+        URLS[2]: 7,
+        URLS[3]: 3,
+    }
