@@ -1,0 +1,488 @@
+"""End-to-end load sweeps: real routers in front of emulated SGLang workers, real agent sessions.
+
+For every router under test (ours with each policy, sglang-router 0.3.2 with each of its
+policies) and every load factor on a ladder, a fresh emulated cluster (fresh caches, so no router
+inherits another's warm KV) and a fresh router start as their own processes, the bundled agent
+sessions are replayed through the router (``replay_sessions``: streaming chat with tools, each
+turn after the previous answer plus its think time), and the run is scored as in the simulator's
+sweep (``workload/sweep.py``): TPS = prompt + output tokens served / makespan, the run meets the
+SLO when at least 90% of requests have TTFT within their TTFT SLO (k x the request's idle TTFT,
+k = 5) and at least 90% have mean TPOT within the TPOT SLO (100 ms). A router's peak is its
+highest TPS among the runs that met the SLO.
+
+Load factor f divides the sessions' start gap and think (tool) times by f. The bundled slice is
+24 sessions; ``copies`` runs each session that many times as different users of the same agent
+(same system prompt and tools, a distinct first user message), so the cluster can be loaded
+past its SLO. Times are the emulated model's seconds (the emulator runs ``time_scale`` times
+faster than real time; the replay scales its waits and measurements accordingly).
+
+Run ``python scripts/e2e_sweep.py --help``; every process it starts is stopped before it returns,
+on errors and Ctrl-C too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+
+from smetric.perf import load_profile
+from smetric.slo import SLOModel
+from smetric.workload.agents import Session, Turn, load_sessions
+from smetric.workload.replay import TurnResult, replay_sessions
+
+SGLANG_ROUTER = "sglang-router"
+OURS = "smetric"
+OUR_POLICIES = ("smetric", "lmetric", "cache_aware", "least_load")
+SGLANG_POLICIES = ("cache_aware", "round_robin", "power_of_two")
+SGLANG_ALL_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+LADDER = (2.0, 4.0, 8.0, 16.0)
+STARTUP_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    router: str
+    """``smetric`` (this package's router) or ``sglang-router`` (sglang-router from PyPI)."""
+    policy: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.router}/{self.policy}"
+
+
+DEFAULT_ROUTERS = tuple(RouterSpec(OURS, p) for p in OUR_POLICIES) + tuple(
+    RouterSpec(SGLANG_ROUTER, p) for p in SGLANG_POLICIES
+)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    workers: int = 4
+    profile: str = "qwen3-30b-a3b-h20"
+    time_scale: float = 4.0
+    copies: int = 4
+    sessions: int | None = None
+    """Use the first N bundled sessions (before copying); None: all 24."""
+    start_gap_s: float = 2.0
+    think_s: float = 1.0
+    ladder: tuple[float, ...] = LADDER
+    attainment: float = 0.9
+    sglang_python: str | None = None
+    """Interpreter with sglang-router installed; None: this one."""
+
+
+@dataclass(frozen=True)
+class E2EPoint:
+    label: str
+    factor: float
+    requests: int
+    errors: int
+    tps: float
+    ttft_attainment: float
+    tpot_attainment: float
+    ttft_p90_s: float
+    tpot_p90_s: float
+    cached: float
+    """Cached prompt tokens (local + global tier) / prompt tokens."""
+    per_worker: tuple[int, ...]
+    """Requests each emulated worker served."""
+    meets_slo: bool
+
+
+# ---- workload -----------------------------------------------------------------------------
+
+
+def _tag_first_user_message(messages: list[dict[str, object]], tag: str) -> list[dict[str, object]]:
+    out = [dict(m) for m in messages]
+    for m in out:
+        content = m.get("content")
+        if m.get("role") == "user" and isinstance(content, str):
+            m["content"] = tag + content
+            break
+    return out
+
+
+def replicate_sessions(sessions: Sequence[Session], copies: int) -> list[Session]:
+    """Each session ``copies`` times, copy c > 0 as another user of the same agent: the first
+    user message gets a ``[user c]`` prefix in every turn (so turns still extend each other),
+    the system prompt and tools stay shared. Copies interleave: all sessions once, then again."""
+    if copies < 1:
+        raise ValueError("copies must be >= 1")
+    out = list(sessions)
+    for c in range(1, copies):
+        tag = f"[user {c}] "
+        for s in sessions:
+            turns = [
+                Turn(_tag_first_user_message(t.messages, tag), t.output_text, t.tool_time_s)
+                for t in s.turns
+            ]
+            out.append(Session(f"{s.session_id}#{c}", s.tools, turns))
+    return out
+
+
+def scale_think_times(sessions: Sequence[Session], factor: float) -> list[Session]:
+    """Recorded tool times divided by ``factor`` (unrecorded ones use the replay's ``think_s``,
+    which the caller divides itself)."""
+    return [
+        Session(
+            s.session_id,
+            s.tools,
+            [
+                Turn(
+                    t.messages,
+                    t.output_text,
+                    None if t.tool_time_s is None else t.tool_time_s / factor,
+                )
+                for t in s.turns
+            ],
+        )
+        for s in sessions
+    ]
+
+
+# ---- scoring ------------------------------------------------------------------------------
+
+
+def _p90(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    return ordered[int(0.9 * (len(ordered) - 1))] if ordered else float("inf")
+
+
+def evaluate(
+    label: str,
+    factor: float,
+    results: Sequence[TurnResult],
+    makespan_s: float,
+    slo: SLOModel,
+    per_worker: Sequence[int] = (),
+    attainment: float = 0.9,
+) -> E2EPoint:
+    """The same rule as the simulator's sweep: failed requests count as missing both SLOs."""
+    ok = [r for r in results if r.ok]
+    n = max(len(results), 1)
+    ttft_met = sum(1 for r in ok if r.ttft_s <= slo.ttft_slo_s(r.prompt_tokens))
+    tpot_met = sum(1 for r in ok if (r.tpot_s or 0.0) <= slo.tpot_slo_s)
+    prompt = sum(r.prompt_tokens for r in ok)
+    tokens = sum(r.prompt_tokens + r.output_tokens for r in ok)
+    return E2EPoint(
+        label,
+        factor,
+        len(results),
+        len(results) - len(ok),
+        tokens / max(makespan_s, 1e-9),
+        ttft_met / n,
+        tpot_met / n,
+        _p90([r.ttft_s for r in ok]),
+        _p90([r.tpot_s for r in ok if r.tpot_s is not None]),
+        sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        tuple(per_worker),
+        bool(results) and ttft_met / n >= attainment and tpot_met / n >= attainment,
+    )
+
+
+def peak_tps(points: Sequence[E2EPoint]) -> float:
+    return max((p.tps for p in points if p.meets_slo), default=0.0)
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def sglang_router_python(configured: str | None = None) -> str:
+    """The interpreter that runs sglang-router: ``configured``, else this one if it has it."""
+    if configured:
+        return configured
+    if importlib.util.find_spec("sglang_router") is None:
+        raise RuntimeError(
+            "sglang-router is not installed in this environment: pip install "
+            "'sglang-router==0.3.2' (it is in smetric's [test] extras), or pass --sglang-python"
+        )
+    return sys.executable
+
+
+def router_command(spec: RouterSpec, urls: Sequence[str], port: int, cfg: SweepConfig) -> list[str]:
+    common = ["--worker-urls", *urls, "--policy", spec.policy, "--host", "127.0.0.1"]
+    common += ["--port", str(port), "--log-level", "warn"]
+    if spec.router == SGLANG_ROUTER:
+        # Its metrics server binds 29000 by default: give it a port of its own.
+        python = sglang_router_python(cfg.sglang_python)
+        extra = ["--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]
+        return [python, "-m", "sglang_router.launch_router", *common, *extra]
+    if spec.router == OURS:
+        extra = ["--profile", cfg.profile]
+        return [sys.executable, "-m", "smetric.launch_router", *common, *extra]
+    raise ValueError(f"unknown router {spec.router!r}")
+
+
+def router_env() -> dict[str, str]:
+    """sglang-router 0.3.2 tries to fetch a tokenizer for the workers' model name from the
+    Hugging Face hub; the emulated model has none, so make that fail at once, not after a
+    network timeout. Loopback (the workers) stays direct."""
+    env = dict(os.environ)
+    env.update(
+        HTTPS_PROXY="http://127.0.0.1:9",
+        https_proxy="http://127.0.0.1:9",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+        HF_HUB_OFFLINE="1",
+    )
+    return env
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+_WORKER_URL = re.compile(r"=(http://[^,\s]+)")
+
+
+def start_emulator(cfg: SweepConfig) -> tuple[subprocess.Popen[bytes], list[str]]:
+    """``smetric emulate`` on free ports; returns the process and its workers' URLs."""
+    cmd = [sys.executable, "-m", "smetric", "emulate", "--workers", str(cfg.workers)]
+    cmd += ["--base-port", "0", "--time-scale", str(cfg.time_scale), "--profile", cfg.profile]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().decode()
+        urls = _WORKER_URL.findall(line)
+        if len(urls) != cfg.workers:
+            raise RuntimeError(f"the emulator did not start: {line!r}")
+        proc.stdout.close()
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc, urls
+
+
+async def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Until ``/readiness`` answers 200 (every worker registered), or the process dies."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"router exited with status {proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url + "/readiness") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"router at {url} not ready after {timeout_s:.0f} s")
+
+
+_REQUESTS_TOTAL = re.compile(r"^sglang:num_requests_total\{[^}]*\} ([0-9.]+)$", re.M)
+
+
+async def requests_per_worker(urls: Sequence[str]) -> list[int]:
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        for url in urls:
+            async with http.get(url + "/metrics") as r:
+                m = _REQUESTS_TOTAL.search(await r.text())
+                out.append(int(float(m.group(1))) if m else -1)
+    return out
+
+
+async def run_point(
+    spec: RouterSpec, sessions: Sequence[Session], factor: float, cfg: SweepConfig
+) -> E2EPoint:
+    """One router at one load factor, on a fresh cluster."""
+    slo = SLOModel(load_profile(cfg.profile))
+    emulator, urls = start_emulator(cfg)
+    router: subprocess.Popen[bytes] | None = None
+    try:
+        port = free_port()
+        router = subprocess.Popen(
+            router_command(spec, urls, port, cfg),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=router_env(),
+        )
+        base = f"http://127.0.0.1:{port}"
+        await wait_ready(base, router, STARTUP_TIMEOUT_S)
+        t0 = time.perf_counter()
+        results = await replay_sessions(
+            base,
+            scale_think_times(sessions, factor),
+            start_gap_s=cfg.start_gap_s / factor,
+            think_s=cfg.think_s / factor,
+            time_scale=cfg.time_scale,
+        )
+        makespan_s = (time.perf_counter() - t0) * cfg.time_scale
+        served = await requests_per_worker(urls)
+    finally:
+        if router is not None:
+            stop_process(router)
+        stop_process(emulator)
+    return evaluate(spec.label, factor, results, makespan_s, slo, served, cfg.attainment)
+
+
+def sweep(
+    routers: Sequence[RouterSpec],
+    cfg: SweepConfig,
+    progress: Callable[[E2EPoint], None] | None = None,
+) -> dict[str, list[E2EPoint]]:
+    """Each router up the ladder until a run misses the SLO (the ladder's later, heavier
+    steps cannot do better once one has failed)."""
+    sessions = replicate_sessions(load_sessions(limit=cfg.sessions), cfg.copies)
+    out: dict[str, list[E2EPoint]] = {}
+    for spec in routers:
+        points = out.setdefault(spec.label, [])
+        for factor in cfg.ladder:
+            point = asyncio.run(run_point(spec, sessions, factor, cfg))
+            points.append(point)
+            if progress:
+                progress(point)
+            if not point.meets_slo:
+                break
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def format_point(p: E2EPoint) -> str:
+    return (
+        f"  {p.label:<26} x{p.factor:<4g} {'ok  ' if p.meets_slo else 'MISS'} "
+        f"TPS {p.tps:>8.0f}  TTFT met {p.ttft_attainment:6.1%}  TPOT met {p.tpot_attainment:6.1%}"
+        f"  TTFT p90 {p.ttft_p90_s * 1e3:6.0f} ms  TPOT p90 {p.tpot_p90_s * 1e3:5.1f} ms"
+        f"  cached {p.cached:5.1%}  per worker {'/'.join(map(str, p.per_worker))}"
+        f"  errors {p.errors}"
+    )
+
+
+def table(results: dict[str, list[E2EPoint]]) -> str:
+    rows = [
+        "| router / policy | peak TPS under SLO | at load | TTFT p90 there | cached there "
+        "| requests per worker there | first load over SLO |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for label, points in results.items():
+        good = [p for p in points if p.meets_slo]
+        best = max(good, key=lambda p: p.tps) if good else None
+        miss = next((p for p in points if not p.meets_slo), None)
+        if best is None:
+            rows.append(f"| {label} | 0 (none met the SLO) | | | | | x{points[0].factor:g} |")
+            continue
+        rows.append(
+            f"| {label} | {best.tps:.0f} | x{best.factor:g} | {best.ttft_p90_s * 1e3:.0f} ms "
+            f"| {best.cached:.1%} | {'/'.join(map(str, best.per_worker))} "
+            f"| {f'x{miss.factor:g}' if miss else 'none'} |"
+        )
+    return "\n".join(rows)
+
+
+def parse_routers(values: Sequence[str]) -> list[RouterSpec]:
+    """``smetric/lmetric``, ``sglang-router/round_robin``, ... (``router/policy``)."""
+    from smetric.policies import POLICIES
+
+    specs = []
+    for v in values:
+        router, _, policy = v.partition("/")
+        known = (
+            POLICIES if router == OURS else SGLANG_ALL_POLICIES if router == SGLANG_ROUTER else ()
+        )
+        if policy not in known:
+            raise ValueError(f"not a router/policy: {v!r}")
+        specs.append(RouterSpec(router, policy))
+    return specs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="e2e_sweep",
+        description="Peak TPS under SLO, end to end: our router and sglang-router 0.3.2 in "
+        "front of emulated SGLang workers, replaying the bundled agent sessions.",
+    )
+    ap.add_argument(
+        "--routers",
+        nargs="+",
+        default=[s.label for s in DEFAULT_ROUTERS],
+        help="router/policy pairs (default: %(default)s)",
+    )
+    d = SweepConfig()
+    ap.add_argument("--workers", type=int, default=d.workers)
+    ap.add_argument("--profile", default=d.profile)
+    ap.add_argument("--time-scale", type=float, default=d.time_scale)
+    ap.add_argument("--copies", type=int, default=d.copies, help="users per bundled session")
+    ap.add_argument("--sessions", type=int, default=None, help="first N bundled sessions")
+    ap.add_argument("--start-gap", type=float, default=d.start_gap_s, help="model seconds")
+    ap.add_argument("--think", type=float, default=d.think_s, help="model seconds")
+    ap.add_argument("--ladder", type=float, nargs="+", default=list(d.ladder))
+    ap.add_argument("--sglang-python", default=None, help="interpreter with sglang-router")
+    args = ap.parse_args(argv)
+    try:
+        routers = parse_routers(args.routers)
+        load_profile(args.profile)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.workers < 1 or args.time_scale <= 0 or args.copies < 1 or not args.ladder:
+        ap.error("--workers, --copies >= 1, --time-scale > 0, a non-empty --ladder")
+    if any(f <= 0 for f in args.ladder):
+        ap.error("--ladder factors must be > 0")
+    cfg = SweepConfig(
+        args.workers,
+        args.profile,
+        args.time_scale,
+        args.copies,
+        args.sessions,
+        args.start_gap,
+        args.think,
+        tuple(sorted(args.ladder)),
+        sglang_python=args.sglang_python,
+    )
+    if any(r.router == SGLANG_ROUTER for r in routers):
+        try:
+            sglang_router_python(cfg.sglang_python)
+        except RuntimeError as e:
+            ap.error(str(e))
+    n = len(replicate_sessions(load_sessions(limit=cfg.sessions), cfg.copies))
+    print(
+        f"{n} agent sessions, {cfg.workers} emulated workers ({cfg.profile}, x{cfg.time_scale:g}"
+        f" time), global KV tier; load ladder {' '.join(f'x{f:g}' for f in cfg.ladder)}",
+        flush=True,
+    )
+    results = sweep(routers, cfg, progress=lambda p: print(format_point(p), flush=True))
+    print()
+    print(table(results))
+    return 0
+
+
+__all__ = [
+    "DEFAULT_ROUTERS",
+    "E2EPoint",
+    "RouterSpec",
+    "SweepConfig",
+    "evaluate",
+    "main",
+    "peak_tps",
+    "replicate_sessions",
+    "sweep",
+]
+
+if __name__ == "__main__":
+    sys.exit(main())
