@@ -1,0 +1,141 @@
+"""The end-to-end sweep: workload shaping, scoring, and a tiny real run of our router and
+sglang-router 0.3.2 on fresh emulated clusters."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from smetric.perf import PRESETS
+from smetric.slo import SLOModel
+from smetric.workload.agents import load_sessions
+from smetric.workload.e2e_sweep import (
+    RouterSpec,
+    SweepConfig,
+    evaluate,
+    main,
+    parse_routers,
+    peak_tps,
+    replicate_sessions,
+    scale_think_times,
+    sweep,
+    table,
+)
+from smetric.workload.replay import TurnResult
+
+PROFILE = PRESETS["qwen2.5-7b-h200"]
+
+
+def test_copies_are_other_users_of_the_same_agent():
+    sessions = load_sessions(limit=2)
+    copies = replicate_sessions(sessions, 3)
+    assert [s.session_id for s in copies[:2]] == [s.session_id for s in sessions]
+    assert len(copies) == 6 and len({s.session_id for s in copies}) == 6
+    original, copy = sessions[0], copies[2]
+    assert copy.session_id == original.session_id + "#1" and copy.tools == original.tools
+    for before, after in zip(original.turns, copy.turns, strict=True):
+        # Same system prompt, the first user message marked, the rest unchanged.
+        assert after.messages[0] == before.messages[0]
+        changed = [
+            i
+            for i, (a, b) in enumerate(zip(after.messages, before.messages, strict=True))
+            if a != b
+        ]
+        assert len(changed) == 1
+        i = changed[0]
+        assert after.messages[i]["content"] == "[user 1] " + before.messages[i]["content"]
+    # Each turn still extends the previous one, so a session keeps its cache locality.
+    for prev, nxt in zip(copy.turns, copy.turns[1:], strict=False):
+        assert nxt.messages[: len(prev.messages)] == prev.messages
+    assert original.turns[0].messages[1]["content"].startswith("[user") is False
+    with pytest.raises(ValueError):
+        replicate_sessions(sessions, 0)
+
+
+def test_load_factor_divides_recorded_think_times():
+    s = load_sessions(limit=1)[0]
+    timed = type(s)(s.session_id, s.tools, [type(t)(t.messages, "", 2.0) for t in s.turns])
+    scaled = scale_think_times([timed, s], 4.0)
+    assert {t.tool_time_s for t in scaled[0].turns} == {0.5}
+    assert {t.tool_time_s for t in scaled[1].turns} == {None}  # the replay's think_s applies
+
+
+def turn(ttft_s: float, tpot_s: float | None, prompt: int = 4000, ok: bool = True) -> TurnResult:
+    return TurnResult("s", 0, ok, ttft_s, tpot_s, 1.0, prompt, 100, prompt // 2, None, None)
+
+
+def test_a_run_meets_the_slo_when_90_percent_meet_each_bound():
+    slo = SLOModel(PROFILE)
+    fast, slow = slo.ttft_slo_s(4000) * 0.5, slo.ttft_slo_s(4000) * 2
+    nine_good = [turn(fast, 0.02)] * 9
+    met = evaluate("r", 2.0, [*nine_good, turn(slow, 0.02)], 10.0, slo, (6, 4))
+    assert met.meets_slo and met.ttft_attainment == 0.9 and met.tpot_attainment == 1.0
+    assert met.tps == 10 * 4100 / 10.0 and met.cached == 0.5 and met.per_worker == (6, 4)
+    slow_tpot = evaluate("r", 2.0, [*nine_good[:8], turn(fast, 0.5), turn(fast, 0.2)], 10.0, slo)
+    assert not slow_tpot.meets_slo and slow_tpot.tpot_attainment == 0.8
+    assert slow_tpot.ttft_attainment == 1.0
+    # A failed request misses both bounds and serves no tokens.
+    failed = evaluate("r", 2.0, [*nine_good[:8], turn(0, None, ok=False), turn(slow, 0.02)], 1, slo)
+    assert not failed.meets_slo and failed.errors == 1 and failed.tps == 9 * 4100
+    assert not evaluate("r", 1.0, [], 1.0, slo).meets_slo
+    assert peak_tps([met, slow_tpot]) == met.tps and peak_tps([slow_tpot]) == 0.0
+
+
+def test_router_names_are_checked():
+    assert parse_routers(["smetric/lmetric", "sglang-router/power_of_two"]) == [
+        RouterSpec("smetric", "lmetric"),
+        RouterSpec("sglang-router", "power_of_two"),
+    ]
+    for bad in ("smetric/nope", "sglang-router/lmetric", "nginx/round_robin", "smetric"):
+        with pytest.raises(ValueError):
+            parse_routers([bad])
+    for argv in (["--routers", "smetric/nope"], ["--workers", "0"], ["--ladder", "0"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+
+
+def _children() -> set[int]:
+    """This process's live child processes, from /proc."""
+    me, out = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.add(int(entry.name))
+    return out
+
+
+def test_a_tiny_sweep_runs_both_routers_end_to_end_and_cleans_up():
+    before = _children()
+    cfg = SweepConfig(
+        workers=2,
+        profile="qwen2.5-7b-h200",
+        time_scale=8.0,
+        copies=1,
+        sessions=3,
+        start_gap_s=1.0,
+        ladder=(4.0, 8.0),
+    )
+    routers = [RouterSpec("smetric", "smetric"), RouterSpec("sglang-router", "round_robin")]
+    seen = []
+    results = sweep(routers, cfg, progress=seen.append)
+    turns = sum(len(s.turns) for s in load_sessions(limit=3))
+    assert list(results) == ["smetric/smetric", "sglang-router/round_robin"]
+    for points in results.values():
+        assert [p.factor for p in points] in ([4.0], [4.0, 8.0])  # climbs until a miss
+        for p in points:
+            assert p.requests == turns and p.errors == 0 and p.tps > 0
+            assert sum(p.per_worker) == turns  # every turn reached exactly one worker
+            assert 0 < p.cached < 1  # follow-up turns hit the cache they built
+    # Round robin spreads the turns evenly over the two workers.
+    first, second = results["sglang-router/round_robin"][0].per_worker
+    assert abs(first - second) <= 1
+    assert seen == [p for points in results.values() for p in points]
+    report = table(results)
+    assert "| smetric/smetric |" in report and "| sglang-router/round_robin |" in report
+    assert _children() == before  # every emulator and router stopped
