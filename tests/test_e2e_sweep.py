@@ -10,8 +10,10 @@ import pytest
 
 from smetric.perf import PRESETS
 from smetric.slo import SLOModel
+from smetric.workload import e2e_sweep
 from smetric.workload.agents import load_sessions
 from smetric.workload.e2e_sweep import (
+    E2EPoint,
     RouterSpec,
     SweepConfig,
     evaluate,
@@ -96,6 +98,29 @@ def test_router_names_are_checked():
             main(argv)
 
 
+def test_each_router_climbs_until_a_miss_then_bisects(monkeypatch):
+    calls = []
+
+    async def fake_run_point(spec, sessions, factor, cfg):
+        calls.append((spec.label, factor))
+        tps = 1000 * factor
+        limit = 5.0 if spec.router == "smetric" else 100.0
+        return E2EPoint(spec.label, factor, 1, 0, tps, 1, 1, 0, 0, 0, (), factor <= limit)
+
+    monkeypatch.setattr(e2e_sweep, "run_point", fake_run_point)
+    cfg = SweepConfig(ladder=(2.0, 4.0, 8.0, 16.0), refine=2, sessions=1)
+    routers = [RouterSpec("smetric", "smetric"), RouterSpec("sglang-router", "cache_aware")]
+    results = sweep(routers, cfg)
+    ours = [f for label, f in calls if label == "smetric/smetric"]
+    # x8 missed: bisect between x4 and x8 (x5.66 misses, then x4.76 meets).
+    assert ours[:3] == [2.0, 4.0, 8.0] and len(ours) == 5
+    assert ours[3] == pytest.approx(32**0.5) and ours[4] == pytest.approx((4 * 32**0.5) ** 0.5)
+    assert peak_tps(results["smetric/smetric"]) == pytest.approx(1000 * ours[4])
+    # Never missed: the whole ladder, no bisection.
+    assert [f for label, f in calls if label.startswith("sglang")] == [2.0, 4.0, 8.0, 16.0]
+    assert "| 4757 | x4.76 |" in table(results) and "| x5.66 |" in table(results)
+
+
 def _children() -> set[int]:
     """This process's live child processes, from /proc."""
     me, out = os.getpid(), set()
@@ -120,6 +145,7 @@ def test_a_tiny_sweep_runs_both_routers_end_to_end_and_cleans_up():
         sessions=3,
         start_gap_s=1.0,
         ladder=(4.0, 8.0),
+        refine=0,
     )
     routers = [RouterSpec("smetric", "smetric"), RouterSpec("sglang-router", "round_robin")]
     seen = []

@@ -7,8 +7,9 @@ sessions are replayed through the router (``replay_sessions``: streaming chat wi
 turn after the previous answer plus its think time), and the run is scored as in the simulator's
 sweep (``workload/sweep.py``): TPS = prompt + output tokens served / makespan, the run meets the
 SLO when at least 90% of requests have TTFT within their TTFT SLO (k x the request's idle TTFT,
-k = 5) and at least 90% have mean TPOT within the TPOT SLO (100 ms). A router's peak is its
-highest TPS among the runs that met the SLO.
+k = 5) and at least 90% have mean TPOT within the TPOT SLO (100 ms). Each router climbs the
+ladder until a run misses the SLO, then bisects between the last load that met it and the first
+that did not; its peak is its highest TPS among the runs that met the SLO.
 
 Load factor f divides the sessions' start gap and think (tool) times by f. The bundled slice is
 24 sessions; ``copies`` runs each session that many times as different users of the same agent
@@ -28,7 +29,6 @@ import contextlib
 import importlib.util
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +79,8 @@ class SweepConfig:
     start_gap_s: float = 2.0
     think_s: float = 1.0
     ladder: tuple[float, ...] = LADDER
+    refine: int = 1
+    """Bisections between the last load under SLO and the first over it."""
     attainment: float = 0.9
     sglang_python: str | None = None
     """Interpreter with sglang-router installed; None: this one."""
@@ -247,10 +249,11 @@ def router_env() -> dict[str, str]:
     return env
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 10.0) -> None:
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:
+    """SIGTERM (SIGINT may be ignored: a background job inherits it ignored), then SIGKILL."""
     if proc.poll() is not None:
         return
-    proc.send_signal(signal.SIGINT)
+    proc.terminate()
     try:
         proc.wait(grace_s)
     except subprocess.TimeoutExpired:
@@ -346,19 +349,31 @@ def sweep(
     cfg: SweepConfig,
     progress: Callable[[E2EPoint], None] | None = None,
 ) -> dict[str, list[E2EPoint]]:
-    """Each router up the ladder until a run misses the SLO (the ladder's later, heavier
-    steps cannot do better once one has failed)."""
+    """Each router up the ladder until a run misses the SLO (heavier steps cannot do better
+    once one has failed), then ``cfg.refine`` bisections (geometric) between the last load that
+    met it and the first that did not."""
     sessions = replicate_sessions(load_sessions(limit=cfg.sessions), cfg.copies)
     out: dict[str, list[E2EPoint]] = {}
     for spec in routers:
         points = out.setdefault(spec.label, [])
-        for factor in cfg.ladder:
+
+        def run(factor: float, spec: RouterSpec = spec, points: list[E2EPoint] = points) -> bool:
             point = asyncio.run(run_point(spec, sessions, factor, cfg))
             points.append(point)
             if progress:
                 progress(point)
-            if not point.meets_slo:
+            return point.meets_slo
+
+        good: float | None = None
+        for factor in cfg.ladder:
+            if not run(factor):
+                if good is not None:
+                    lo, hi = good, factor
+                    for _ in range(cfg.refine):
+                        mid = (lo * hi) ** 0.5
+                        lo, hi = (mid, hi) if run(mid) else (lo, mid)
                 break
+            good = factor
     return out
 
 
@@ -367,7 +382,7 @@ def sweep(
 
 def format_point(p: E2EPoint) -> str:
     return (
-        f"  {p.label:<26} x{p.factor:<4g} {'ok  ' if p.meets_slo else 'MISS'} "
+        f"  {p.label:<26} x{p.factor:<5.3g} {'ok  ' if p.meets_slo else 'MISS'} "
         f"TPS {p.tps:>8.0f}  TTFT met {p.ttft_attainment:6.1%}  TPOT met {p.tpot_attainment:6.1%}"
         f"  TTFT p90 {p.ttft_p90_s * 1e3:6.0f} ms  TPOT p90 {p.tpot_p90_s * 1e3:5.1f} ms"
         f"  cached {p.cached:5.1%}  per worker {'/'.join(map(str, p.per_worker))}"
@@ -384,14 +399,15 @@ def table(results: dict[str, list[E2EPoint]]) -> str:
     for label, points in results.items():
         good = [p for p in points if p.meets_slo]
         best = max(good, key=lambda p: p.tps) if good else None
-        miss = next((p for p in points if not p.meets_slo), None)
+        miss = min((p for p in points if not p.meets_slo), key=lambda p: p.factor, default=None)
         if best is None:
-            rows.append(f"| {label} | 0 (none met the SLO) | | | | | x{points[0].factor:g} |")
+            first = min(p.factor for p in points)
+            rows.append(f"| {label} | 0 (none met the SLO) | | | | | x{first:.3g} |")
             continue
         rows.append(
-            f"| {label} | {best.tps:.0f} | x{best.factor:g} | {best.ttft_p90_s * 1e3:.0f} ms "
+            f"| {label} | {best.tps:.0f} | x{best.factor:.3g} | {best.ttft_p90_s * 1e3:.0f} ms "
             f"| {best.cached:.1%} | {'/'.join(map(str, best.per_worker))} "
-            f"| {f'x{miss.factor:g}' if miss else 'none'} |"
+            f"| {f'x{miss.factor:.3g}' if miss else 'none'} |"
         )
     return "\n".join(rows)
 
@@ -433,6 +449,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--start-gap", type=float, default=d.start_gap_s, help="model seconds")
     ap.add_argument("--think", type=float, default=d.think_s, help="model seconds")
     ap.add_argument("--ladder", type=float, nargs="+", default=list(d.ladder))
+    ap.add_argument("--refine", type=int, default=d.refine, help="bisections after the first miss")
     ap.add_argument("--sglang-python", default=None, help="interpreter with sglang-router")
     args = ap.parse_args(argv)
     try:
@@ -440,8 +457,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         load_profile(args.profile)
     except ValueError as e:
         ap.error(str(e))
-    if args.workers < 1 or args.time_scale <= 0 or args.copies < 1 or not args.ladder:
-        ap.error("--workers, --copies >= 1, --time-scale > 0, a non-empty --ladder")
+    if args.workers < 1 or args.time_scale <= 0 or args.copies < 1 or args.refine < 0:
+        ap.error("--workers, --copies >= 1, --time-scale > 0, --refine >= 0")
     if any(f <= 0 for f in args.ladder):
         ap.error("--ladder factors must be > 0")
     cfg = SweepConfig(
@@ -453,6 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.start_gap,
         args.think,
         tuple(sorted(args.ladder)),
+        refine=args.refine,
         sglang_python=args.sglang_python,
     )
     if any(r.router == SGLANG_ROUTER for r in routers):
