@@ -20,48 +20,12 @@ from smetric.workload.e2e_sweep import (
     main,
     parse_routers,
     peak_tps,
-    replicate_sessions,
-    scale_think_times,
     sweep,
     table,
 )
 from smetric.workload.replay import TurnResult
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
-
-
-def test_copies_are_other_users_of_the_same_agent():
-    sessions = load_sessions(limit=2)
-    copies = replicate_sessions(sessions, 3)
-    assert [s.session_id for s in copies[:2]] == [s.session_id for s in sessions]
-    assert len(copies) == 6 and len({s.session_id for s in copies}) == 6
-    original, copy = sessions[0], copies[2]
-    assert copy.session_id == original.session_id + "#1" and copy.tools == original.tools
-    for before, after in zip(original.turns, copy.turns, strict=True):
-        # Same system prompt, the first user message marked, the rest unchanged.
-        assert after.messages[0] == before.messages[0]
-        changed = [
-            i
-            for i, (a, b) in enumerate(zip(after.messages, before.messages, strict=True))
-            if a != b
-        ]
-        assert len(changed) == 1
-        i = changed[0]
-        assert after.messages[i]["content"] == "[user 1] " + before.messages[i]["content"]
-    # Each turn still extends the previous one, so a session keeps its cache locality.
-    for prev, nxt in zip(copy.turns, copy.turns[1:], strict=False):
-        assert nxt.messages[: len(prev.messages)] == prev.messages
-    assert original.turns[0].messages[1]["content"].startswith("[user") is False
-    with pytest.raises(ValueError):
-        replicate_sessions(sessions, 0)
-
-
-def test_load_factor_divides_recorded_think_times():
-    s = load_sessions(limit=1)[0]
-    timed = type(s)(s.session_id, s.tools, [type(t)(t.messages, "", 2.0) for t in s.turns])
-    scaled = scale_think_times([timed, s], 4.0)
-    assert {t.tool_time_s for t in scaled[0].turns} == {0.5}
-    assert {t.tool_time_s for t in scaled[1].turns} == {None}  # the replay's think_s applies
 
 
 def turn(ttft_s: float, tpot_s: float | None, prompt: int = 4000, ok: bool = True) -> TurnResult:
@@ -143,7 +107,6 @@ def test_a_tiny_sweep_runs_both_routers_end_to_end_and_cleans_up():
         time_scale=8.0,
         copies=1,
         sessions=3,
-        start_gap_s=1.0,
         ladder=(4.0, 8.0),
         refine=0,
     )

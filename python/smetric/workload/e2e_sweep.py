@@ -11,11 +11,13 @@ k = 5) and at least 90% have mean TPOT within the TPOT SLO (100 ms). Each router
 ladder until a run misses the SLO, then bisects between the last load that met it and the first
 that did not; its peak is its highest TPS among the runs that met the SLO.
 
-Load factor f divides the sessions' start gap and think (tool) times by f. The bundled slice is
-24 sessions; ``copies`` runs each session that many times as different users of the same agent
-(same system prompt and tools, a distinct first user message), so the cluster can be loaded
-past its SLO. Times are the emulated model's seconds (the emulator runs ``time_scale`` times
-faster than real time; the replay scales its waits and measurements accordingly).
+Load factor f divides the sessions' start gap and think (tool) times by f (``replay_sessions``'s
+``scale``). The bundled slice is 24 sessions; ``copies`` runs each that many times as separate
+conversations of the same agent (``agents.replicate``: same system prompt and tools), so the
+cluster can be loaded past its SLO. Sessions start 2 s / copies apart and think 2 s between
+turns at x1, as in the simulator's sweep of the same sessions (``smetric sweep --copies``).
+Times are the emulated model's seconds (the emulator runs ``time_scale`` times faster than real
+time; the replay scales its waits and measurements accordingly).
 
 Run ``python scripts/e2e_sweep.py --help``; every process it starts is stopped before it returns,
 on errors and Ctrl-C too.
@@ -40,7 +42,7 @@ import aiohttp
 
 from smetric.perf import load_profile
 from smetric.slo import SLOModel
-from smetric.workload.agents import Session, Turn, load_sessions
+from smetric.workload.agents import Session, load_sessions, replicate
 from smetric.workload.replay import TurnResult, replay_sessions
 
 SGLANG_ROUTER = "sglang-router"
@@ -76,14 +78,21 @@ class SweepConfig:
     copies: int = 4
     sessions: int | None = None
     """Use the first N bundled sessions (before copying); None: all 24."""
-    start_gap_s: float = 2.0
-    think_s: float = 1.0
+    start_gap_s: float | None = None
+    """Model seconds between session starts at load x1; None: 2 s / copies, as the simulator's
+    sweep of agent sessions (the same rate per copy)."""
+    think_s: float = 2.0
+    """Model seconds between a turn's answer and the next turn where none is recorded."""
     ladder: tuple[float, ...] = LADDER
     refine: int = 1
     """Bisections between the last load under SLO and the first over it."""
     attainment: float = 0.9
     sglang_python: str | None = None
     """Interpreter with sglang-router installed; None: this one."""
+
+    @property
+    def session_gap_s(self) -> float:
+        return 2.0 / self.copies if self.start_gap_s is None else self.start_gap_s
 
 
 @dataclass(frozen=True)
@@ -102,57 +111,6 @@ class E2EPoint:
     per_worker: tuple[int, ...]
     """Requests each emulated worker served."""
     meets_slo: bool
-
-
-# ---- workload -----------------------------------------------------------------------------
-
-
-def _tag_first_user_message(messages: list[dict[str, object]], tag: str) -> list[dict[str, object]]:
-    out = [dict(m) for m in messages]
-    for m in out:
-        content = m.get("content")
-        if m.get("role") == "user" and isinstance(content, str):
-            m["content"] = tag + content
-            break
-    return out
-
-
-def replicate_sessions(sessions: Sequence[Session], copies: int) -> list[Session]:
-    """Each session ``copies`` times, copy c > 0 as another user of the same agent: the first
-    user message gets a ``[user c]`` prefix in every turn (so turns still extend each other),
-    the system prompt and tools stay shared. Copies interleave: all sessions once, then again."""
-    if copies < 1:
-        raise ValueError("copies must be >= 1")
-    out = list(sessions)
-    for c in range(1, copies):
-        tag = f"[user {c}] "
-        for s in sessions:
-            turns = [
-                Turn(_tag_first_user_message(t.messages, tag), t.output_text, t.tool_time_s)
-                for t in s.turns
-            ]
-            out.append(Session(f"{s.session_id}#{c}", s.tools, turns))
-    return out
-
-
-def scale_think_times(sessions: Sequence[Session], factor: float) -> list[Session]:
-    """Recorded tool times divided by ``factor`` (unrecorded ones use the replay's ``think_s``,
-    which the caller divides itself)."""
-    return [
-        Session(
-            s.session_id,
-            s.tools,
-            [
-                Turn(
-                    t.messages,
-                    t.output_text,
-                    None if t.tool_time_s is None else t.tool_time_s / factor,
-                )
-                for t in s.turns
-            ],
-        )
-        for s in sessions
-    ]
 
 
 # ---- scoring ------------------------------------------------------------------------------
@@ -330,10 +288,11 @@ async def run_point(
         t0 = time.perf_counter()
         results = await replay_sessions(
             base,
-            scale_think_times(sessions, factor),
-            start_gap_s=cfg.start_gap_s / factor,
-            think_s=cfg.think_s / factor,
+            sessions,
+            start_gap_s=cfg.session_gap_s,
+            think_s=cfg.think_s,
             time_scale=cfg.time_scale,
+            scale=factor,
         )
         makespan_s = (time.perf_counter() - t0) * cfg.time_scale
         served = await requests_per_worker(urls)
@@ -352,7 +311,7 @@ def sweep(
     """Each router up the ladder until a run misses the SLO (heavier steps cannot do better
     once one has failed), then ``cfg.refine`` bisections (geometric) between the last load that
     met it and the first that did not."""
-    sessions = replicate_sessions(load_sessions(limit=cfg.sessions), cfg.copies)
+    sessions = replicate(load_sessions(limit=cfg.sessions), cfg.copies)
     out: dict[str, list[E2EPoint]] = {}
     for spec in routers:
         points = out.setdefault(spec.label, [])
@@ -446,7 +405,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=d.time_scale)
     ap.add_argument("--copies", type=int, default=d.copies, help="users per bundled session")
     ap.add_argument("--sessions", type=int, default=None, help="first N bundled sessions")
-    ap.add_argument("--start-gap", type=float, default=d.start_gap_s, help="model seconds")
+    ap.add_argument(
+        "--start-gap", type=float, default=None, help="model seconds (default 2 / copies)"
+    )
     ap.add_argument("--think", type=float, default=d.think_s, help="model seconds")
     ap.add_argument("--ladder", type=float, nargs="+", default=list(d.ladder))
     ap.add_argument("--refine", type=int, default=d.refine, help="bisections after the first miss")
@@ -478,7 +439,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sglang_router_python(cfg.sglang_python)
         except RuntimeError as e:
             ap.error(str(e))
-    n = len(replicate_sessions(load_sessions(limit=cfg.sessions), cfg.copies))
+    n = len(replicate(load_sessions(limit=cfg.sessions), cfg.copies))
     print(
         f"{n} agent sessions, {cfg.workers} emulated workers ({cfg.profile}, x{cfg.time_scale:g}"
         f" time), global KV tier; load ladder {' '.join(f'x{f:g}' for f in cfg.ladder)}",
@@ -498,7 +459,6 @@ __all__ = [
     "evaluate",
     "main",
     "peak_tps",
-    "replicate_sessions",
     "sweep",
 ]
 
