@@ -31,6 +31,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -50,7 +51,7 @@ OURS = "smetric"
 OUR_POLICIES = ("smetric", "lmetric", "cache_aware", "least_load")
 SGLANG_POLICIES = ("cache_aware", "round_robin", "power_of_two")
 SGLANG_ALL_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-LADDER = (2.0, 4.0, 8.0, 16.0)
+LADDER = (1.0, 2.0, 4.0, 8.0)
 STARTUP_TIMEOUT_S = 60.0
 
 
@@ -445,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f" time), global KV tier; load ladder {' '.join(f'x{f:g}' for f in cfg.ladder)}",
         flush=True,
     )
+    # SIGTERM unwinds like Ctrl-C, so the emulator and router of the run in progress are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results = sweep(routers, cfg, progress=lambda p: print(format_point(p), flush=True))
     print()
     print(table(results))
