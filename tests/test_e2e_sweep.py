@@ -62,6 +62,17 @@ def test_router_names_are_checked():
             main(argv)
 
 
+def test_smetric_sweep_e2e_is_this_sweep(capsys):
+    from smetric.cli import main as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli(["sweep", "--e2e", "--help"])
+    assert e.value.code == 0 and "smetric sweep --e2e" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli(["sweep", "--e2e", "--routers", "smetric/nope"])
+    assert e.value.code == 2
+
+
 def test_each_router_climbs_until_a_miss_then_bisects(monkeypatch):
     calls = []
 

@@ -14,6 +14,10 @@ from smetric.perf import DEFAULT_PROFILE, PRESETS, load_profile
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sweep"] and "--e2e" in argv:
+        from smetric.workload.e2e_sweep import main as e2e_main
+
+        return e2e_main([a for a in argv[1:] if a != "--e2e"], prog="smetric sweep --e2e")
     if argv[:1] == ["serve"]:
         from smetric.launch_router import main as serve_main
 
@@ -114,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         "--policies",
         nargs="+",
         default=["smetric", "lmetric", "cache_aware", "kv_cost", "least_load"],
+    )
+    sw.add_argument(
+        "--e2e",
+        action="store_true",
+        help="end to end instead: routers (ours and sglang-router 0.3.2) in front of emulated "
+        "workers; see `smetric sweep --e2e --help`",
     )
     sw.add_argument("--no-global-tier", action="store_true")
     sw.add_argument(

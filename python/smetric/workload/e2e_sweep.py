@@ -388,9 +388,9 @@ def parse_routers(values: Sequence[str]) -> list[RouterSpec]:
     return specs
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "e2e_sweep") -> int:
     ap = argparse.ArgumentParser(
-        prog="e2e_sweep",
+        prog=prog,
         description="Peak TPS under SLO, end to end: our router and sglang-router 0.3.2 in "
         "front of emulated SGLang workers, replaying the bundled agent sessions.",
     )
