@@ -151,3 +151,17 @@ def test_report_rejects_missing_and_malformed_sweeps(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no sweep.json in" in err and "not readable JSON" in err
     assert "not a sweep" in err and "smetric: missing load_over_time" in err
+
+
+def test_report_reads_gzipped_sweeps_and_rejects_damaged_ones(tmp_path, capsys):
+    import gzip
+
+    doc = sweep_doc("zipped", {"smetric": 1.1, "lmetric": 1.0})
+    (tmp_path / "a.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode()))
+    out = tmp_path / "out"
+    assert main(["report", str(out), str(tmp_path / "a.json.gz")]) == 0
+    assert "zipped" in (out / "report.md").read_text()
+    (tmp_path / "b.json.gz").write_bytes(gzip.compress(json.dumps(doc).encode())[:40])
+    with pytest.raises(SystemExit) as e:
+        main(["report", str(tmp_path / "out2"), str(tmp_path / "b.json.gz")])
+    assert e.value.code == 2 and "not readable JSON" in capsys.readouterr().err

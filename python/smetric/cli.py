@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         help="markdown table and PNG plots from sweep.json files (smetric sweep --out)",
     )
     rep.add_argument("dir", help="where report.md and the plots go; its sweep.json is read")
-    rep.add_argument("more", nargs="*", help="more sweep.json files, or folders holding one")
+    rep.add_argument(
+        "more", nargs="*", help="more sweep.json (or .json.gz) files, or folders holding one"
+    )
     args = parser.parse_args(argv)
     if args.command == "sweep":
         return _sweep(parser, args)
@@ -473,6 +475,8 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         else:
             source = "bundled tau-bench airline slice"
         name = f"{args.trace}: {source}" + (f", first {args.limit}" if args.limit else "")
+        if args.closed_loop:
+            name += ", closed loop"
         if args.copies > 1:
             name += f", x{args.copies} copies"
         if args.no_global_tier:

@@ -10,6 +10,7 @@ the per-instance load over time of ``smetric`` and the best baseline.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,10 +31,11 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     if p.is_dir():
         p = p / "sweep.json"
     try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
+        raw = p.read_bytes()
+        doc = json.loads(gzip.decompress(raw) if p.suffix == ".gz" else raw)
     except FileNotFoundError:
         raise ValueError(f"{p}: no such file (write one with smetric sweep --out)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{p}: not readable JSON ({e})") from e
     if not isinstance(doc, dict) or doc.get("format") != SWEEP_FORMAT:
         raise ValueError(f"{p}: not a sweep (expected format {SWEEP_FORMAT!r})")
