@@ -188,3 +188,23 @@ def test_cli_sweeps_ablations_pd_copies_and_other_slos(capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             main(bad)
         assert e.value.code == 2
+
+
+def test_policies_can_see_hits_as_the_router_does_from_the_moment_of_routing():
+    from smetric.policies import make_policy
+    from smetric.sim import policy_route, simulate
+
+    # Four requests sharing a long prefix arrive together: the engines hold nothing until the
+    # first is prefilled, but a router's index counts the prefix as held where it sent it.
+    shared = list(range(900))
+    reqs = [
+        SimRequest(f"r{i}", 16_000, 10, BlockKeys.from_ids([*shared, 10_000 + i]), 16, arrival_s=0)
+        for i in range(4)
+    ]
+
+    def workers(routed: bool) -> set[str]:
+        route = policy_route(make_policy("cache_aware"), routed_index=routed)
+        return {r.worker for r in simulate(reqs, route, PROFILE, workers=4).requests}
+
+    assert workers(routed=True) == {"w0"}  # every one follows the first to its prefix
+    assert len(workers(routed=False)) == 4  # no hit anywhere yet: balanced

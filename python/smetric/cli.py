@@ -127,6 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     sw.add_argument("--no-global-tier", action="store_true")
     sw.add_argument(
+        "--engine-view",
+        action="store_true",
+        help="policies see the hits the engines hold (default: as the router does, from an "
+        "index that counts a prompt as held where it was routed from the moment it was routed)",
+    )
+    sw.add_argument(
         "--copies",
         type=int,
         default=1,
@@ -457,6 +463,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         progress=show,
         slo_config=slo_config,
         pd=pd,
+        routed_index=not args.engine_view,
     )
     peaks = {name: peak_tps(points) for name, points in results.items()}
     baselines = [v for k, v in peaks.items() if not k.startswith("smetric")]
@@ -481,6 +488,8 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             name += f", x{args.copies} copies"
         if args.no_global_tier:
             name += ", no global tier"
+        if args.engine_view:
+            name += ", engine view"
         workload = {
             "name": name,
             "trace": args.trace,
@@ -498,6 +507,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             tier,
             slo_config,
             pd=pd,
+            routed_index=not args.engine_view,
         )
         print(f"wrote {written}")
     return 0

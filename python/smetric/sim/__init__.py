@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from smetric import BlockKeys, PrefixIndex
+from smetric import GLOBAL_TIER, BlockKeys, PrefixIndex
 from smetric.cluster import ClusterView, WorkerView
 from smetric.engine import (
     Batch,
@@ -107,10 +107,33 @@ class ClusterState:
 Route = Callable[[SimRequest, ClusterState], str]
 
 
-def policy_route(policy: Policy, max_new_tokens: int | None = None) -> Route:
+def policy_route(
+    policy: Policy, max_new_tokens: int | None = None, routed_index: bool = False
+) -> Route:
     """Runs a router policy, unchanged, in the simulator: the request becomes a ``RequestView``
     and the engines' loads plus the index's match become the ``ClusterView`` it decides on (the
-    simulator knows each engine's queued prefill exactly, where the router estimates it)."""
+    simulator knows each engine's queued prefill exactly, where the router estimates it).
+
+    The hits come from what the engines hold (``routed_index=False``), or, as the router sees
+    them, from an index that learns by prediction: a prompt counts as held by its worker and the
+    global tier from the moment it is routed there, before it is served, with each worker's pool
+    as its capacity (``routed_index=True``). The two differ most for requests that share a
+    prefix and arrive together: the engines hold it only once one has been prefilled."""
+    routed: dict[int, PrefixIndex] = {}
+
+    def hits_index(req: SimRequest, state: ClusterState) -> PrefixIndex:
+        if not routed_index:
+            return state.index
+        index = routed.get(id(state))
+        if index is None:
+            routed.clear()  # a new run
+            tier = state.index.has_global_tier
+            index = PrefixIndex(global_capacity_blocks=1 << 40 if tier else None)
+            for name in state.workers:
+                pool = state.load(name).pool_tokens
+                index.add_instance(name, max(int(pool / max(req.block_tokens, 1e-9)), 1))
+            routed[id(state)] = index
+        return index
 
     def route(req: SimRequest, state: ClusterState) -> str:
         key = PromptKey(req.keys, req.prompt_tokens, req.block_tokens)
@@ -122,8 +145,9 @@ def policy_route(policy: Policy, max_new_tokens: int | None = None) -> Route:
             req.session,
             req.is_first_turn,
         )
-        match = state.index.match(req.keys, touch=False)
-        hits = dict(zip(state.index.instances(), match.blocks, strict=True))
+        index = hits_index(req, state)
+        match = index.match(req.keys, touch=False)
+        hits = dict(zip(index.instances(), match.blocks, strict=True))
         workers = []
         for name in state.workers:
             load = state.load(name)
@@ -142,7 +166,12 @@ def policy_route(policy: Policy, max_new_tokens: int | None = None) -> Route:
         cluster = ClusterView(tuple(workers), match.global_blocks, len(req.keys), req.block_tokens)
         decision = policy.select(view, cluster)
         state.decisions[decision.reason] = state.decisions.get(decision.reason, 0) + 1
-        return state.workers[decision.worker]
+        chosen = state.workers[decision.worker]
+        if routed_index:
+            index.insert(chosen, req.keys)
+            if index.has_global_tier:
+                index.insert(GLOBAL_TIER, req.keys)
+        return chosen
 
     return route
 

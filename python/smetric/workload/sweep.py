@@ -161,12 +161,16 @@ def run_at(
     global_tier: GlobalTierConfig | None,
     slo_config: SLOConfig = SLOConfig(),
     pd: tuple[int, int] | None = None,
+    routed_index: bool = True,
 ) -> SimResult:
     """One simulated run of ``policy`` at load factor ``factor`` (deterministic). With ``pd``,
-    the policy picks prefill workers and decode goes to the least loaded decode worker."""
+    the policy picks prefill workers and decode goes to the least loaded decode worker. Policies
+    see hits as the router does (``routed_index``, see ``policy_route``) unless told otherwise."""
     return simulate(
         scale_arrivals(requests, factor),
-        policy_route(sweep_policy(policy, profile, global_tier, slo_config)),
+        policy_route(
+            sweep_policy(policy, profile, global_tier, slo_config), routed_index=routed_index
+        ),
         profile,
         workers,
         global_tier=global_tier,
@@ -185,6 +189,7 @@ def sweep(
     progress: Callable[[Point], None] | None = None,
     slo_config: SLOConfig = SLOConfig(),
     pd: tuple[int, int] | None = None,
+    routed_index: bool = True,
 ) -> dict[str, list[Point]]:
     """Climbs ``ladder`` until the SLO breaks, then bisects ``refine`` times between the last
     load that met it and the first that did not."""
@@ -194,7 +199,9 @@ def sweep(
         points: list[Point] = []
 
         def run(factor: float, name: str = name, points: list[Point] = points) -> Point:
-            result = run_at(requests, name, factor, profile, workers, global_tier, slo_config, pd)
+            result = run_at(
+                requests, name, factor, profile, workers, global_tier, slo_config, pd, routed_index
+            )
             point = evaluate(name, factor, result, slo)
             points.append(point)
             if progress:
@@ -273,13 +280,16 @@ def write_sweep(
     ladder: Sequence[float] = LADDER,
     refine: int = 3,
     pd: tuple[int, int] | None = None,
+    routed_index: bool = True,
 ) -> Path:
     """Writes ``out_dir/sweep.json``; re-runs each policy at the common load (runs are
     deterministic) for its per-instance load over time. Returns the file's path."""
     factor = common_factor(results)
     policies: dict[str, Any] = {}
     for name, points in results.items():
-        run = run_at(requests, name, factor, profile, workers, global_tier, slo_config, pd)
+        run = run_at(
+            requests, name, factor, profile, workers, global_tier, slo_config, pd, routed_index
+        )
         policies[name] = {
             "peak_tps": peak_tps(points),
             "points": [asdict(p) for p in points],
@@ -290,6 +300,7 @@ def write_sweep(
         "workload": workload,
         "workers": workers,
         "pd": None if pd is None else {"prefill": pd[0], "decode": pd[1]},
+        "hits_seen_as": "router" if routed_index else "engines",
         "profile": profile.name,
         "global_tier": None if global_tier is None else asdict(global_tier),
         "slo": {
