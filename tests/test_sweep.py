@@ -178,12 +178,21 @@ def test_cli_sweeps_ablations_pd_copies_and_other_slos(capsys, tmp_path):
     assert doc["workload"]["requests"] == 2 * sum(len(s.turns) for s in load_sessions(limit=2))
     assert main(["sweep", "--limit", "1", "--pd", "1,1", "--policies", "smetric"]) == 0
     assert "PD 1+1 workers" in capsys.readouterr().out
+    assert main(["sweep", "--limit", "1", "--ladder", "3", "5", "--policies", "least_load"]) == 0
+    factors = [
+        line.split()[1]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("  least_load")
+    ]
+    assert factors[:2] == ["x3", "x5"]
     for bad in (
         ["sweep", "--copies", "0"],
         ["sweep", "--trace", "generated", "--copies", "2"],
         ["sweep", "--pd", "1"],
         ["sweep", "--pd", "0,1"],
         ["sweep", "--ttft-slo-scale", "0"],
+        ["sweep", "--ladder", "2", "1"],
+        ["sweep", "--ladder", "0", "1"],
     ):
         with pytest.raises(SystemExit) as e:
             main(bad)

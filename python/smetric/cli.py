@@ -125,6 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         help="end to end instead: routers (ours and sglang-router 0.3.2) in front of emulated "
         "workers; see `smetric sweep --e2e --help`",
     )
+    sw.add_argument(
+        "--ladder",
+        type=float,
+        nargs="+",
+        default=None,
+        help="load factors to climb (default 1 1.5 2 3 4 6 8 12 16 24 32)",
+    )
     sw.add_argument("--no-global-tier", action="store_true")
     sw.add_argument(
         "--engine-view",
@@ -381,7 +388,7 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from smetric.policies import POLICIES
     from smetric.slo import SLOConfig
-    from smetric.workload.sweep import ABLATIONS, Point, peak_tps, sweep
+    from smetric.workload.sweep import ABLATIONS, LADDER, Point, peak_tps, sweep
 
     if unknown := [p for p in args.policies if p not in POLICIES and p not in ABLATIONS]:
         parser.error(f"unknown policies: {', '.join(unknown)} (ablations: {', '.join(ABLATIONS)})")
@@ -389,6 +396,10 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--workers and --limit must be >= 1")
     if args.copies < 1 or (args.copies > 1 and args.trace != "agents"):
         parser.error("--copies (>= 1) is for --trace agents")
+    if args.ladder is not None and (
+        min(args.ladder) <= 0 or list(args.ladder) != sorted(set(args.ladder))
+    ):
+        parser.error("--ladder takes increasing load factors > 0")
     if args.ttft_slo_scale <= 0 or args.tpot_slo_ms <= 0:
         parser.error("--ttft-slo-scale and --tpot-slo-ms must be > 0")
     slo_config = SLOConfig(ttft_slo_scale=args.ttft_slo_scale, tpot_slo_ms=args.tpot_slo_ms)
@@ -460,6 +471,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         profile,
         args.workers,
         tier,
+        ladder=args.ladder or LADDER,
         progress=show,
         slo_config=slo_config,
         pd=pd,
@@ -506,6 +518,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             args.workers,
             tier,
             slo_config,
+            ladder=args.ladder or LADDER,
             pd=pd,
             routed_index=not args.engine_view,
         )
