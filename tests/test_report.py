@@ -91,7 +91,7 @@ def test_report_writes_a_table_with_ratios_to_the_best_baseline_and_valid_pngs(t
     for policy, peak in PEAKS.items():
         ratio = f"{peak / best:.3f}x"
         assert f"| {policy} | {peak:.0f} | {ratio} |" in md
-        assert f"| {policy} | {peak:.0f} ({ratio}) |" in md
+        assert f"| {policy} | {peak:.0f} ({ratio}) · x2 |" in md  # met at x1 and x2
     # At the common load (x2): P90 TTFT 80 ms, P50 40, P99 160; TPOT P99 has no data.
     smetric_row = next(line for line in md.splitlines() if line.startswith("| smetric | 3000 |"))
     cells = [c.strip() for c in smetric_row.strip("|").split("|")]
@@ -124,8 +124,8 @@ def test_report_puts_several_sweeps_side_by_side(tmp_path):
     md = (first / "report.md").read_text()
     header = next(line for line in md.splitlines() if line.startswith("| policy | agents"))
     assert "mooncake: rows, 2 workers" in header
-    assert "| smetric | 3000 (1.200x) | 100 (0.250x) |" in md
-    assert "| cache_aware | 2000 (0.800x) |  |" in md  # not in the second sweep
+    assert "| smetric | 3000 (1.200x) · x2 | 100 (0.250x) · x2 |" in md
+    assert "| cache_aware | 2000 (0.800x) · x2 |  |" in md  # not in the second sweep
     assert len(list(first.glob("*-2.png"))) == 3
 
 
