@@ -16,7 +16,6 @@ from smetric.workload.mooncake import load_mooncake
 PROFILE = PRESETS["qwen2.5-7b-h200"]
 BT = 16  # tokens per block in these tests
 TIER = GlobalTierConfig(capacity_tokens=10_000_000, load_bytes_per_s=20e9, load_latency_s=0.003)
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
 
 
 def req(rid, prompt, out, first_id=0, at=0.0, **kw) -> SimRequest:
@@ -153,9 +152,10 @@ def test_load_over_time_is_sampled_per_instance():
     assert res.load["w0"][0].t_s == 0.0
 
 
-@pytest.mark.skipif(not MOONCAKE.exists(), reason="shared traces not present")
 def test_mooncake_trace_slice_replays_with_its_counts_and_cache_reuse():
-    reqs = load_mooncake(MOONCAKE / "conversation_trace.jsonl", limit=400)
+    # The first 600 lines of the trace, copied into the fixtures (see their NOTICE.md).
+    fixture = Path(__file__).parent / "fixtures" / "mooncake_conversation_600.jsonl"
+    reqs = load_mooncake(fixture, limit=400)
     res = simulate(reqs, round_robin(), PROFILE, workers=4)
     assert len(res.requests) == 400 and not [r for r in res.requests if r.error]
     assert sum(r.prompt_tokens for r in res.requests) == sum(r.prompt_tokens for r in reqs)
