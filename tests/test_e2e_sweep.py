@@ -139,3 +139,20 @@ def test_a_tiny_sweep_runs_both_routers_end_to_end_and_cleans_up():
     report = table(results)
     assert "| smetric/smetric |" in report and "| sglang-router/round_robin |" in report
     assert _children() == before  # every emulator and router stopped
+
+
+def test_pd_runs_give_both_routers_prefill_and_decode_pools():
+    from smetric.workload.e2e_sweep import router_command
+
+    cfg = SweepConfig(pd=(1, 2))
+    urls = ["http://p0", "http://d0", "http://d1"]
+    for spec in (RouterSpec("smetric", "smetric"), RouterSpec("sglang-router", "round_robin")):
+        cmd = router_command(spec, urls, 9000, cfg)
+        assert "--worker-urls" not in cmd and "--pd-disaggregation" in cmd
+        i = cmd.index("--prefill")
+        assert cmd[i : i + 3] == ["--prefill", "http://p0", "8998"]
+        decodes = [cmd[j + 1] for j, a in enumerate(cmd) if a == "--decode"]
+        assert decodes == ["http://d0", "http://d1"]
+    assert cfg.worker_count == 3 and SweepConfig().worker_count == 4
+    with pytest.raises(SystemExit):
+        main(["--pd", "1"])

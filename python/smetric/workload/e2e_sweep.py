@@ -94,6 +94,13 @@ class SweepConfig:
     attainment: float = 0.9
     sglang_python: str | None = None
     """Interpreter with sglang-router installed; None: this one."""
+    pd: tuple[int, int] | None = None
+    """PD disaggregation: this many prefill and decode workers instead of ``workers``; the
+    router's policy picks prefill workers (sglang-router's ``--policy`` applies to both)."""
+
+    @property
+    def worker_count(self) -> int:
+        return self.workers if self.pd is None else self.pd[0] + self.pd[1]
 
     @property
     def session_gap_s(self) -> float:
@@ -184,7 +191,16 @@ def sglang_router_python(configured: str | None = None) -> str:
 
 
 def router_command(spec: RouterSpec, urls: Sequence[str], port: int, cfg: SweepConfig) -> list[str]:
-    common = ["--worker-urls", *urls, "--policy", spec.policy, "--host", "127.0.0.1"]
+    if cfg.pd is None:
+        common = ["--worker-urls", *urls]
+    else:
+        # The emulator lists prefill workers first; their bootstrap port is not used by it.
+        common = ["--pd-disaggregation"]
+        for url in urls[: cfg.pd[0]]:
+            common += ["--prefill", url, "8998"]
+        for url in urls[cfg.pd[0] :]:
+            common += ["--decode", url]
+    common += ["--policy", spec.policy, "--host", "127.0.0.1"]
     common += ["--port", str(port), "--log-level", "warn"]
     if spec.router == SGLANG_ROUTER:
         # Its metrics server binds 29000 by default: give it a port of its own.
@@ -231,12 +247,14 @@ def start_emulator(cfg: SweepConfig) -> tuple[subprocess.Popen[bytes], list[str]
     """``smetric emulate`` on free ports; returns the process and its workers' URLs."""
     cmd = [sys.executable, "-m", "smetric", "emulate", "--workers", str(cfg.workers)]
     cmd += ["--base-port", "0", "--time-scale", str(cfg.time_scale), "--profile", cfg.profile]
+    if cfg.pd is not None:
+        cmd += ["--pd", f"{cfg.pd[0]},{cfg.pd[1]}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
         urls = _WORKER_URL.findall(line)
-        if len(urls) != cfg.workers:
+        if len(urls) != cfg.worker_count:
             raise RuntimeError(f"the emulator did not start: {line!r}")
         proc.stdout.close()
     except BaseException:
@@ -419,7 +437,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "e2e_sweep") -> int:
     ap.add_argument("--ladder", type=float, nargs="+", default=list(d.ladder))
     ap.add_argument("--refine", type=int, default=d.refine, help="bisections after the first miss")
     ap.add_argument("--sglang-python", default=None, help="interpreter with sglang-router")
+    ap.add_argument("--pd", metavar="P,D", default=None, help="PD: P prefill, D decode workers")
     args = ap.parse_args(argv)
+    pd: tuple[int, int] | None = None
+    if args.pd:
+        try:
+            prefill, decode = (int(x) for x in args.pd.split(","))
+        except ValueError:
+            ap.error("--pd takes P,D (two integers)")
+        if min(prefill, decode) < 1:
+            ap.error("--pd takes P,D, each at least 1")
+        pd = (prefill, decode)
     try:
         routers = parse_routers(args.routers)
         load_profile(args.profile)
@@ -440,6 +468,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "e2e_sweep") -> int:
         tuple(sorted(args.ladder)),
         refine=args.refine,
         sglang_python=args.sglang_python,
+        pd=pd,
     )
     if any(r.router == SGLANG_ROUTER for r in routers):
         try:
@@ -448,7 +477,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "e2e_sweep") -> int:
             ap.error(str(e))
     n = len(replicate(load_sessions(limit=cfg.sessions), cfg.copies))
     print(
-        f"{n} agent sessions, {cfg.workers} emulated workers ({cfg.profile}, x{cfg.time_scale:g}"
+        f"{n} agent sessions, "
+        + (f"{cfg.workers} emulated workers" if pd is None else f"PD {pd[0]}+{pd[1]} emulated")
+        + f" ({cfg.profile}, x{cfg.time_scale:g}"
         f" time), global KV tier; load ladder {' '.join(f'x{f:g}' for f in cfg.ladder)}",
         flush=True,
     )
