@@ -22,13 +22,12 @@ from smetric.request import BYTES_PER_TOKEN
 from smetric.router import Router, RouterConfig
 from smetric.slo import SLOModel
 from smetric.workload.agents import load_sessions
+from smetric.workload.mooncake import TraceRow, read_trace
 from smetric.workload.replay import (
     HASH_BLOCK_BYTES,
     THINK_MAX_S,
-    TraceRow,
     TurnResult,
     block_text,
-    load_hash_trace,
     replay_to_file,
     sampled_think_s,
     summarize,
@@ -168,13 +167,13 @@ def test_hash_id_blocks_are_a_function_of_the_id_and_prompts_share_prefixes_as_i
 
 
 def test_trace_loader_reads_rows_and_names_the_line_of_a_bad_one(tmp_path):
-    rows = load_hash_trace(write_trace(tmp_path / "t.jsonl", TRACE), limit=2)
+    rows = read_trace(write_trace(tmp_path / "t.jsonl", TRACE), limit=2)
     assert [(r.timestamp_s, r.hash_ids) for r in rows] == [(0.0, (1, 2, 3)), (4.0, (1, 2, 3, 4))]
     bad = write_trace(tmp_path / "bad.jsonl", [TRACE[0], {**TRACE[1], "hash_ids": [1, 2]}])
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: .*2 hash ids for 1800 input tokens"):
-        load_hash_trace(bad)
+        read_trace(bad)
     with pytest.raises(ValueError, match=r"t2\.jsonl:1: .*no 'input_length' field"):
-        load_hash_trace(write_trace(tmp_path / "t2.jsonl", [{"timestamp": 0, "hash_ids": [1]}]))
+        read_trace(write_trace(tmp_path / "t2.jsonl", [{"timestamp": 0, "hash_ids": [1]}]))
 
 
 def test_unrecorded_think_times_are_seeded_per_session_and_turn_with_the_recorded_spread():

@@ -322,11 +322,11 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.profile)
         if args.trace == "mooncake":
-            from smetric.workload.replay import load_hash_trace
+            from smetric.workload.mooncake import read_trace
 
             if not args.path:
                 parser.error("--trace mooncake needs --path")
-            workload: list[Any] = list(load_hash_trace(args.path, args.limit))
+            workload: list[Any] = list(read_trace(args.path, args.limit))
             what = f"{len(workload)} trace rows"
         else:
             from smetric.workload.agents import load_sessions

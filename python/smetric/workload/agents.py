@@ -7,12 +7,12 @@ plus turn k's ``appended_messages`` (turn 0: its ``appended_messages``).
 from __future__ import annotations
 
 import gzip
-import json
-from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from smetric.workload import read_jsonl
 
 BUNDLED = "taubench_airline_24.jsonl.gz"
 """A slice of real tau-bench airline sessions shipped with the package (see data/NOTICE.md)."""
@@ -32,37 +32,23 @@ class Session:
     turns: list[Turn]
 
 
-def _lines(path: str | Path | None) -> Iterator[str]:
-    if path is None:
-        data = resources.files("smetric.data").joinpath(BUNDLED).read_bytes()
-        yield from gzip.decompress(data).decode().splitlines()
-        return
-    p = Path(path)
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as f:
-        yield from f
-
-
 def load_sessions(path: str | Path | None = None, limit: int | None = None) -> list[Session]:
     """Sessions from a JSONL file (``.gz`` allowed), or the bundled slice when ``path`` is None."""
-    sessions = []
-    for lineno, line in enumerate(_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-            messages: list[dict[str, Any]] = []
-            turns = []
-            for t in raw["turns"]:
-                messages = messages + t["appended_messages"]
-                turns.append(Turn(list(messages), t.get("output_text") or "", t.get("tool_time_s")))
-                messages = [*messages, t["output_message"]]
-            sessions.append(Session(raw["session_id"], raw.get("tools") or [], turns))
-        except (KeyError, TypeError, json.JSONDecodeError) as e:
-            raise ValueError(f"{path or BUNDLED}:{lineno}: not an agent session ({e!r})") from e
-        if limit is not None and len(sessions) >= limit:
-            break
-    return sessions
+
+    def parse(raw: Any) -> Session:
+        messages: list[dict[str, Any]] = []
+        turns = []
+        for t in raw["turns"]:
+            messages = messages + t["appended_messages"]
+            turns.append(Turn(list(messages), t.get("output_text") or "", t.get("tool_time_s")))
+            messages = [*messages, t["output_message"]]
+        return Session(raw["session_id"], raw.get("tools") or [], turns)
+
+    if path is None:
+        data = resources.files("smetric.data").joinpath(BUNDLED).read_bytes()
+        lines = gzip.decompress(data).decode().splitlines()
+        return read_jsonl(BUNDLED, parse, "an agent session", limit, lines)
+    return read_jsonl(path, parse, "an agent session", limit)
 
 
 def output_tokens(turn: Turn) -> int:

@@ -21,12 +21,12 @@ milliseconds for files that use it so.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
 from smetric import BlockKeys
 from smetric.sim import SimRequest
+from smetric.workload import read_jsonl
 from smetric.workload.sessions import ServiceTime, link_turns
 
 BAILIAN_BLOCK_TOKENS = 16
@@ -64,46 +64,39 @@ def load_bailian(
     """
     if timestamp_unit not in ("s", "ms"):
         raise ValueError(f"timestamp_unit must be 's' or 'ms', not {timestamp_unit!r}")
-    requests: list[SimRequest] = []
-    parent_ids: list[str | None] = []
-    index: dict[str, int] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                chat_id = row["chat_id"]
-                if isinstance(chat_id, bool) or not isinstance(chat_id, int | str):
-                    raise TypeError(f"chat_id must be an int or a string, not {chat_id!r}")
-                cid = str(chat_id)
-                if cid in index:
-                    raise ValueError(f"chat_id {cid} appears twice")
-                ids = row["hash_ids"]
-                if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
-                    raise TypeError("hash_ids must be a list of ints")
-                prompt, output = int(row["input_length"]), int(row["output_length"])
-                if prompt < 1 or output < 0:
-                    raise ValueError("input_length must be >= 1 and output_length >= 0")
-                parent = _parent(row)
-                if parent == cid:
-                    raise ValueError(f"chat {cid} names itself as its parent")
-                requests.append(
-                    SimRequest(
-                        rid=f"bl{cid}",
-                        prompt_tokens=prompt,
-                        output_tokens=output,
-                        keys=BlockKeys.from_ids(ids),
-                        block_tokens=BAILIAN_BLOCK_TOKENS,
-                        arrival_s=_arrival_s(row, timestamp_unit),
-                    )
-                )
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{lineno}: not a Bailian trace row ({e!r})") from e
-            index[cid] = len(requests) - 1
-            parent_ids.append(parent)
-            if limit is not None and len(requests) >= limit:
-                break
+    seen: set[str] = set()
+
+    def parse(row: Any) -> tuple[SimRequest, str | None]:
+        chat_id = row["chat_id"]
+        if isinstance(chat_id, bool) or not isinstance(chat_id, int | str):
+            raise TypeError(f"chat_id must be an int or a string, not {chat_id!r}")
+        cid = str(chat_id)
+        if cid in seen:
+            raise ValueError(f"chat_id {cid} appears twice")
+        ids = row["hash_ids"]
+        if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
+            raise TypeError("hash_ids must be a list of ints")
+        prompt, output = int(row["input_length"]), int(row["output_length"])
+        if prompt < 1 or output < 0:
+            raise ValueError("input_length must be >= 1 and output_length >= 0")
+        parent = _parent(row)
+        if parent == cid:
+            raise ValueError(f"chat {cid} names itself as its parent")
+        seen.add(cid)
+        request = SimRequest(
+            rid=f"bl{cid}",
+            prompt_tokens=prompt,
+            output_tokens=output,
+            keys=BlockKeys.from_ids(ids),
+            block_tokens=BAILIAN_BLOCK_TOKENS,
+            arrival_s=_arrival_s(row, timestamp_unit),
+        )
+        return request, parent
+
+    rows = read_jsonl(path, parse, "a Bailian trace row", limit)
+    requests = [r for r, _ in rows]
+    parent_ids = [p for _, p in rows]
+    index = {r.rid[2:]: i for i, r in enumerate(requests)}
     # Turns in arrival order, so that each parent precedes its follow-ups.
     order = sorted(range(len(requests)), key=lambda i: (requests[i].arrival_s or 0.0, i))
     position = {i: k for k, i in enumerate(order)}

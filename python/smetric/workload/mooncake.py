@@ -8,12 +8,15 @@ The trace has no session ids; ``reconstruct_sessions`` recovers them from the ha
 
 from __future__ import annotations
 
-import json
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from smetric import BlockKeys
 from smetric.sim import SimRequest
+from smetric.workload import read_jsonl
 from smetric.workload.sessions import ServiceTime, link_turns
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -85,6 +88,36 @@ def reconstruct_sessions(
     return parents
 
 
+@dataclass(frozen=True)
+class TraceRow:
+    """One row of a Mooncake-style trace."""
+
+    timestamp_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def _trace_row(raw: Any) -> TraceRow:
+    ids, n_in, n_out = raw["hash_ids"], raw["input_length"], raw["output_length"]
+    if not isinstance(n_in, int) or not isinstance(n_out, int) or n_in < 1 or n_out < 0:
+        raise ValueError("input_length >= 1 and output_length >= 0 must be integers")
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        raise TypeError("hash_ids must be a list of integers")
+    if len(ids) != math.ceil(n_in / MOONCAKE_BLOCK_TOKENS):
+        raise ValueError(
+            f"{len(ids)} hash ids for {n_in} input tokens "
+            f"(one per {MOONCAKE_BLOCK_TOKENS}-token block expected)"
+        )
+    return TraceRow(float(raw["timestamp"]) / 1000.0, n_in, n_out, tuple(ids))
+
+
+def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
+    """The first ``limit`` rows of a Mooncake trace (``.gz`` allowed), checked: one hash id per
+    512-token block of the input."""
+    return read_jsonl(path, _trace_row, "a Mooncake trace row", limit)
+
+
 def load_mooncake(
     path: str | Path,
     limit: int | None = None,
@@ -97,39 +130,26 @@ def load_mooncake(
     Open loop by default: every request arrives at its trace time. ``closed_loop=True`` makes a
     next turn wait for its previous turn's answer, then the think time (see ``link_turns``;
     ``service_time_s`` estimates how long the previous turn took in the trace)."""
+    rows = read_trace(path, limit)
     requests = []
-    hash_ids: list[list[int]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ids = row["hash_ids"]
-                if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
-                    raise TypeError("hash_ids must be a list of ints")
-                try:
-                    keys = BlockKeys.from_ids(ids, chained=True)
-                except ValueError:  # a repeated id: chain them so keys stay prefix-unique
-                    keys = BlockKeys.from_ids(ids)
-                requests.append(
-                    SimRequest(
-                        rid=f"mc{lineno - 1}",
-                        prompt_tokens=int(row["input_length"]),
-                        output_tokens=int(row["output_length"]),
-                        keys=keys,
-                        block_tokens=MOONCAKE_BLOCK_TOKENS,
-                        arrival_s=float(row["timestamp"]) / 1000.0,
-                    )
-                )
-                hash_ids.append(ids)
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"{path}:{lineno}: not a Mooncake trace row ({e!r})") from e
-            if limit is not None and len(requests) >= limit:
-                break
+    for i, row in enumerate(rows):
+        try:
+            keys = BlockKeys.from_ids(row.hash_ids, chained=True)
+        except ValueError:  # a repeated id: chain them so keys stay prefix-unique
+            keys = BlockKeys.from_ids(row.hash_ids)
+        requests.append(
+            SimRequest(
+                rid=f"mc{i}",
+                prompt_tokens=row.input_length,
+                output_tokens=row.output_length,
+                keys=keys,
+                block_tokens=MOONCAKE_BLOCK_TOKENS,
+                arrival_s=row.timestamp_s,
+            )
+        )
     parents = reconstruct_sessions(
-        hash_ids,
-        [r.prompt_tokens for r in requests],
-        [r.arrival_s or 0.0 for r in requests],
+        [r.hash_ids for r in rows],
+        [r.input_length for r in rows],
+        [r.timestamp_s for r in rows],
     )
     return link_turns(requests, parents, closed_loop, service_time_s)

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gzip
 import json
 import math
 import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
@@ -38,6 +36,7 @@ import aiohttp
 from smetric.request import BYTES_PER_TOKEN, TEXT_BLOCK_BYTES, chat_prompt_text, text_prompt_tokens
 from smetric.slo import SLOModel
 from smetric.workload.agents import Session, output_tokens
+from smetric.workload.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRow
 from smetric.workload.sweep import percentile
 
 
@@ -80,7 +79,7 @@ def sampled_think_s(seed: int, session_id: str, turn: int) -> float:
 
 # ---- hash-id traces -----------------------------------------------------------------------
 
-HASH_BLOCK_TOKENS = 512
+HASH_BLOCK_TOKENS = MOONCAKE_BLOCK_TOKENS
 """Tokens one Mooncake hash id stands for."""
 HASH_BLOCK_BYTES = round(HASH_BLOCK_TOKENS * BYTES_PER_TOKEN / TEXT_BLOCK_BYTES) * TEXT_BLOCK_BYTES
 """Bytes of text one hash id becomes: ~512 tokens at 3.4 bytes a token, rounded to whole key
@@ -93,49 +92,6 @@ _VOCABULARY = (
     "over such our man me even most made after also did many before must through back years where"
 )
 _WORDS = _VOCABULARY.split()
-
-
-@dataclass(frozen=True)
-class TraceRow:
-    timestamp_s: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def _open_lines(path: Path) -> Iterator[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        yield from f
-
-
-def load_hash_trace(path: str | Path, limit: int | None = None) -> list[TraceRow]:
-    """Rows of a Mooncake-style JSONL trace (``.gz`` allowed); each needs one hash id per
-    512-token block of its input."""
-    rows = []
-    for lineno, line in enumerate(_open_lines(Path(path)), 1):
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-            ids, n_in, n_out = raw["hash_ids"], raw["input_length"], raw["output_length"]
-            if not isinstance(n_in, int) or not isinstance(n_out, int) or n_in < 1 or n_out < 0:
-                raise ValueError("input_length >= 1 and output_length >= 0 must be integers")
-            if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-                raise ValueError("hash_ids must be a list of integers")
-            if len(ids) != math.ceil(n_in / HASH_BLOCK_TOKENS):
-                raise ValueError(
-                    f"{len(ids)} hash ids for {n_in} input tokens "
-                    f"(one per {HASH_BLOCK_TOKENS}-token block expected)"
-                )
-            rows.append(TraceRow(float(raw["timestamp"]) / 1000.0, n_in, n_out, tuple(ids)))
-        except KeyError as e:
-            raise ValueError(f"{path}:{lineno}: not a hash-id trace row (no {e} field)") from e
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{path}:{lineno}: not a hash-id trace row ({e})") from e
-        if limit is not None and len(rows) >= limit:
-            break
-    return rows
 
 
 @functools.lru_cache(maxsize=1 << 16)
