@@ -35,9 +35,10 @@ request count.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from smetric.cluster import ClusterView, Decision
+from smetric.cluster import ClusterView, Decision, WorkerView
 from smetric.perf import DEFAULT_PROFILE, Profile, load_profile
 from smetric.request import RequestView
 from smetric.slo import SLOConfig, SLOModel
@@ -78,46 +79,31 @@ class SMetric:
     def _least_loaded(self, req: RequestView, cluster: ClusterView, exclude: int = -1) -> int:
         ws = cluster.workers
         idx = [i for i in range(len(ws)) if i != exclude] or [exclude]
+        load = self._load(req, cluster)
         picks = self._picks
-        if self.config.load_metric == "cost":
-            # Hit-blind, as balancing should be: every instance is costed as if it held none of
-            # the request and loaded what the global tier holds.
-            glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), req.prompt_tokens)
-            predict = self.slo.predict_ttft_s
-            ttft = [
-                predict(ws[i].url, ws[i].queued_prefill_tokens, req.prompt_tokens, 0, glob)
-                for i in idx
-            ]
-            j = min(
-                range(len(idx)),
-                key=lambda j: (
-                    ttft[j] * (ws[idx[j]].in_flight + 1),
-                    ws[idx[j]].in_flight,
-                    picks.get(ws[idx[j]].url, 0),
-                ),
-            )
-            i = idx[j]
-        elif self.config.load_metric == "requests":
-            i = min(
-                idx,
-                key=lambda i: (
-                    ws[i].in_flight,
-                    ws[i].queued_prefill_tokens,
-                    picks.get(ws[i].url, 0),
-                ),
-            )
-        else:
-            delay = self.slo.queue_delay_s
-            i = min(
-                idx,
-                key=lambda i: (
-                    delay(ws[i].url, ws[i].queued_prefill_tokens),
-                    ws[i].in_flight,
-                    picks.get(ws[i].url, 0),
-                ),
-            )
+        i = min(idx, key=lambda i: (*load(ws[i]), picks.get(ws[i].url, 0)))
         picks[ws[i].url] = picks.get(ws[i].url, 0) + 1
         return i
+
+    def _load(
+        self, req: RequestView, cluster: ClusterView
+    ) -> Callable[[WorkerView], tuple[float, float]]:
+        """An instance's load under ``load_metric``, then the tie-breaker before picks."""
+        metric = self.config.load_metric
+        if metric == "requests":
+            return lambda w: (w.in_flight, w.queued_prefill_tokens)
+        if metric == "delay":
+            delay = self.slo.queue_delay_s
+            return lambda w: (delay(w.url, w.queued_prefill_tokens), w.in_flight)
+        # Hit-blind, as balancing should be: every instance is costed as if it held none of the
+        # request and loaded what the global tier holds.
+        prompt = req.prompt_tokens
+        glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), prompt)
+        predict = self.slo.predict_ttft_s
+        return lambda w: (
+            predict(w.url, w.queued_prefill_tokens, prompt, 0, glob) * (w.in_flight + 1),
+            w.in_flight,
+        )
 
     # ---- the decision --------------------------------------------------------------------
 
