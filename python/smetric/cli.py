@@ -12,6 +12,17 @@ from smetric import __version__
 from smetric.perf import DEFAULT_PROFILE, PRESETS, load_profile
 
 
+def pd_shape(text: str) -> tuple[int, int]:
+    """``--pd P,D``: how many prefill and decode workers (argparse type)."""
+    try:
+        prefill, decode = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("--pd takes P,D (two integers)") from None
+    if min(prefill, decode) < 1:
+        raise argparse.ArgumentTypeError("--pd needs at least one prefill and one decode worker")
+    return prefill, decode
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sweep"] and "--e2e" in argv:
@@ -85,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     emulate.add_argument(
         "--pd",
+        type=pd_shape,
         metavar="P,D",
         default=None,
         help="PD disaggregation: P prefill and D decode workers",
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sw.add_argument(
         "--pd",
+        type=pd_shape,
         metavar="P,D",
         default=None,
         help="PD disaggregation: P prefill workers (chosen by the policy) and D decode workers "
@@ -249,15 +262,6 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     except ValueError as e:
         parser.error(str(e))
-    pd = None
-    if args.pd:
-        try:
-            p, d = (int(x) for x in args.pd.split(","))
-        except ValueError:
-            parser.error("--pd takes P,D (two integers)")
-        if p < 1 or d < 1:
-            parser.error("--pd needs at least one prefill and one decode worker")
-        pd = (p, d)
     if args.workers < 1 or args.time_scale <= 0 or args.chunk_tokens < 1:
         parser.error("--workers and --chunk-tokens must be >= 1, --time-scale > 0")
     if not 0 <= args.base_port < 65536:
@@ -283,7 +287,7 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         args.time_scale,
         config,
         tier,
-        pd,
+        args.pd,
         args.model_name,
     )
 
@@ -403,15 +407,7 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.ttft_slo_scale <= 0 or args.tpot_slo_ms <= 0:
         parser.error("--ttft-slo-scale and --tpot-slo-ms must be > 0")
     slo_config = SLOConfig(ttft_slo_scale=args.ttft_slo_scale, tpot_slo_ms=args.tpot_slo_ms)
-    pd: tuple[int, int] | None = None
-    if args.pd:
-        try:
-            prefill, decode = (int(x) for x in args.pd.split(","))
-        except ValueError:
-            parser.error("--pd takes P,D (two integers)")
-        if min(prefill, decode) < 1:
-            parser.error("--pd takes P,D, each at least 1")
-        pd = (prefill, decode)
+    pd: tuple[int, int] | None = args.pd
     if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out}: not a directory")
     try:

@@ -411,6 +411,8 @@ def parse_routers(values: Sequence[str]) -> list[RouterSpec]:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "e2e_sweep") -> int:
+    from smetric.cli import pd_shape
+
     ap = argparse.ArgumentParser(
         prog=prog,
         description="Peak TPS under SLO, end to end: our router and sglang-router 0.3.2 in "
@@ -437,17 +439,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "e2e_sweep") -> int:
     ap.add_argument("--ladder", type=float, nargs="+", default=list(d.ladder))
     ap.add_argument("--refine", type=int, default=d.refine, help="bisections after the first miss")
     ap.add_argument("--sglang-python", default=None, help="interpreter with sglang-router")
-    ap.add_argument("--pd", metavar="P,D", default=None, help="PD: P prefill, D decode workers")
+    ap.add_argument("--pd", type=pd_shape, metavar="P,D", help="PD: P prefill, D decode workers")
     args = ap.parse_args(argv)
-    pd: tuple[int, int] | None = None
-    if args.pd:
-        try:
-            prefill, decode = (int(x) for x in args.pd.split(","))
-        except ValueError:
-            ap.error("--pd takes P,D (two integers)")
-        if min(prefill, decode) < 1:
-            ap.error("--pd takes P,D, each at least 1")
-        pd = (prefill, decode)
+    pd: tuple[int, int] | None = args.pd
     try:
         routers = parse_routers(args.routers)
         load_profile(args.profile)
