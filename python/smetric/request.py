@@ -86,6 +86,8 @@ TOKEN_BLOCK_TOKENS = 16
 BYTES_PER_TOKEN = 3.4
 """Without a tokenizer, a prompt has about 3.4 UTF-8 bytes a token (measured on agent sessions'
 prompts, which are JSON-heavy; shared traces README)."""
+_TEXT_BLOCK_TOKENS = TEXT_BLOCK_BYTES / BYTES_PER_TOKEN
+"""Tokens per text key block (an estimate)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def key_text(text: str | bytes) -> PromptKey:
     return PromptKey(
         hash_text(raw, TEXT_BLOCK_BYTES),
         text_prompt_tokens(len(raw)),
-        TEXT_BLOCK_BYTES / BYTES_PER_TOKEN,
+        _TEXT_BLOCK_TOKENS,
     )
 
 
@@ -166,9 +168,6 @@ def _session_key(headers: Mapping[str, str] | None) -> str | None:
             if headers.get(h):
                 return headers[h]
     return None
-
-
-_TEXT_BLOCK_TOKENS = TEXT_BLOCK_BYTES / BYTES_PER_TOKEN
 
 
 def view_body(api: str, raw: bytes, headers: Mapping[str, str] | None = None) -> RequestView | None:

@@ -110,9 +110,9 @@ class Router:
         self.index = PrefixIndex(
             global_capacity_blocks=config.global_tier_blocks if config.global_tier else None
         )
-        # Prefill a worker gets through per second (model time, 8,192-token chunks), to count
-        # the part of its queue done since its current prefill began (see ``_snapshot``).
-        chunk = 8192
+        # Prefill a worker gets through per second (model time, in whole chunks), to count the
+        # part of its queue done since its current prefill began (see ``_snapshot``).
+        chunk = slo.chunk_tokens
         self._prefill_tokens_per_s = chunk / load_profile(config.profile).prefill_time_s(chunk)
         self.workers: dict[str, Worker] = {}
         self._registry_changes = 0
@@ -149,10 +149,9 @@ class Router:
         r.add_get("/liveness", self.health)
         r.add_get("/readiness", self.readiness)
         r.add_get("/health_generate", self.health_generate)
-        for path in ("/get_server_info", "/server_info"):
+        for path in ("/get_server_info", "/server_info", "/get_model_info", "/model_info"):
             r.add_get(path, self.proxy_get)
-        for path in ("/get_model_info", "/model_info", "/v1/models"):
-            r.add_get(path, self.proxy_get)
+        r.add_get("/v1/models", self.proxy_get)
         r.add_get("/get_loads", self.get_loads)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/metrics", self.metrics)
@@ -258,8 +257,6 @@ class Router:
             healthy = await self._probe(url)
         if not healthy and strict:
             raise BadRequest(f"worker {url} is not reachable or not healthy")
-        if url in self.workers:
-            raise BadRequest(f"worker {url} is already registered")
         info = await self._info(url, "/server_info", "/get_server_info") if healthy else {}
         model = await self._info(url, "/model_info", "/get_model_info") if healthy else {}
         worker = Worker(url, role, bootstrap_port, healthy=healthy)
@@ -890,23 +887,20 @@ class Router:
                 return w
         return None
 
-    async def delete_worker(self, request: web.Request) -> web.Response:
+    def _remove(self, request: web.Request, ident: str) -> web.Response:
         if not self._authorized(request):
             return error_json(401, "missing or wrong API key")
-        worker = self._find(request.match_info["id"])
+        worker = self._find(ident)
         if worker is None:
-            return error_json(404, f"unknown worker {request.match_info['id']}")
+            return error_json(404, f"unknown worker {ident}")
         self.unregister(worker.url)
         return web.json_response({"status": "ok", "removed": worker.url})
 
+    async def delete_worker(self, request: web.Request) -> web.Response:
+        return self._remove(request, request.match_info["id"])
+
     async def remove_worker_legacy(self, request: web.Request) -> web.Response:
-        if not self._authorized(request):
-            return error_json(401, "missing or wrong API key")
-        worker = self._find(request.query.get("url", ""))
-        if worker is None:
-            return error_json(404, f"unknown worker {request.query.get('url')}")
-        self.unregister(worker.url)
-        return web.json_response({"status": "ok", "removed": worker.url})
+        return self._remove(request, request.query.get("url", ""))
 
     async def list_workers(self, request: web.Request) -> web.Response:
         return web.json_response({"urls": list(self.workers)})
