@@ -123,6 +123,10 @@ def token_lists(exact: bool) -> st.SearchStrategy[Any]:
 
 
 finite = st.floats(allow_nan=False, allow_infinity=False)
+SEEDED = settings(
+    derandomize=True, database=None, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+"""Seeded runs, as every property test here: the same examples each time."""
 
 
 def generate_bodies(exact: bool) -> st.SearchStrategy[dict[str, Any]]:
@@ -210,13 +214,7 @@ def assert_same(api: str, raw: bytes, headers: dict[str, str] | None = None) -> 
     return fast
 
 
-@settings(
-    derandomize=True,
-    database=None,
-    max_examples=400,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(SEEDED, max_examples=400)
 @given(any_body())
 def test_fast_path_answers_as_the_reference_or_not_at_all(case):
     api, body = case
@@ -224,13 +222,7 @@ def test_fast_path_answers_as_the_reference_or_not_at_all(case):
         assert_same(api, raw)
 
 
-@settings(
-    derandomize=True,
-    database=None,
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(SEEDED, max_examples=300)
 @given(exact_body())
 def test_fast_path_handles_every_ordinary_body(case):
     """Bodies without floats or big ints where the key serializes JSON are the fast path's own."""
@@ -242,13 +234,7 @@ def test_fast_path_handles_every_ordinary_body(case):
             assert fast is not None
 
 
-@settings(
-    derandomize=True,
-    database=None,
-    max_examples=300,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@settings(SEEDED, max_examples=300)
 @given(any_body(), st.data())
 def test_damaged_bodies_get_the_reference_answer(case, data):
     api, body = case
@@ -267,7 +253,7 @@ def test_damaged_bodies_get_the_reference_answer(case, data):
     assert_same(api, bytes(raw))
 
 
-@settings(derandomize=True, database=None, max_examples=200, deadline=None)
+@settings(SEEDED, max_examples=200)
 @given(
     chat_bodies(True),
     st.sampled_from(["max_tokens", "stream", "messages", "tools"]),
