@@ -4,9 +4,10 @@ accounting, worker management, faults and bad input."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -16,7 +17,7 @@ from aiohttp import web
 from smetric.emulator import EmulatedCluster
 from smetric.perf import PRESETS
 from smetric.policies import POLICIES
-from smetric.router import Router, RouterConfig, parse_config
+from smetric.router import Listening, Router, RouterConfig, listen, parse_config
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
 FAST = 20.0  # emulated time runs 20x faster: the tests check behaviour, not timing
@@ -54,12 +55,22 @@ class Bed:
             return r.status, lines, r.headers
 
 
-async def start_router(config: RouterConfig) -> tuple[Router, web.AppRunner, str]:
-    router = Router(config)
-    runner = web.AppRunner(router.app(), handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return router, runner, f"http://127.0.0.1:{runner.addresses[-1][1]}"
+DATA_PLANE = "rust"
+
+
+@pytest.fixture(autouse=True, params=["rust", "aiohttp"])
+def data_plane(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs through both data planes (the Rust one is the default)."""
+    global DATA_PLANE
+    DATA_PLANE = request.param
+    yield request.param
+    DATA_PLANE = "rust"
+
+
+async def start_router(config: RouterConfig) -> tuple[Router, Listening, str]:
+    router = Router(dataclasses.replace(config, data_plane=DATA_PLANE))
+    server = await listen(router, "127.0.0.1", 0)
+    return router, server, f"http://127.0.0.1:{server.port}"
 
 
 def run(
@@ -83,7 +94,7 @@ def run(
             async with aiohttp.ClientSession() as session:
                 return await test(Bed(cluster, router, base, session))
         finally:
-            await runner.cleanup()
+            await runner.close()
             await cluster.stop()
 
     return asyncio.run(main())
@@ -215,7 +226,7 @@ def with_capture(test: Callable[[Bed, CaptureWorker], Awaitable[Any]], **config:
             async with aiohttp.ClientSession() as session:
                 return await test(Bed(None, router, base, session), capture)  # type: ignore[arg-type]
         finally:
-            await rrunner.cleanup()
+            await rrunner.close()
             await runner.cleanup()
 
     return asyncio.run(main())
@@ -721,7 +732,7 @@ def test_a_malformed_load_report_does_not_stop_load_polling():
             w = router.workers[url]
             return before, (w.polled_running, w.polled_waiting)
         finally:
-            await rrunner.cleanup()
+            await rrunner.close()
             await runner.cleanup()
 
     before, after = asyncio.run(main())
@@ -746,7 +757,7 @@ def test_retries_neither_double_count_hits_nor_credit_the_failing_worker():
             held = {u: v["blocks"] for u, v in router.index.stats()["instances"].items()}
             return router.retries, router.prefix_hit_tokens, router.prompt_tokens, held, bad_url
         finally:
-            await rrunner.cleanup()
+            await rrunner.close()
             await bad_runner.cleanup()
             await good_runner.cleanup()
 
@@ -801,7 +812,7 @@ def test_pd_prefill_failure_fails_fast_and_spares_the_decode_worker():
                 waited = asyncio.get_running_loop().time() - t0
             return status, waited, router.workers[d_url].errors_total
         finally:
-            await rrunner.cleanup()
+            await rrunner.close()
             await cluster.stop()
             await p_runner.cleanup()
 
@@ -834,7 +845,7 @@ def test_compressed_worker_replies_reach_the_client_decodable():
             ):
                 return (await r.json())["text"]
         finally:
-            await rrunner.cleanup()
+            await rrunner.close()
             await runner.cleanup()
 
     assert asyncio.run(main()) == "x" * 2000

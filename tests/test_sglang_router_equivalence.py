@@ -42,7 +42,7 @@ from aiohttp import web
 
 from smetric.emulator import EmulatedCluster
 from smetric.perf import PRESETS
-from smetric.router import Router, RouterConfig
+from smetric.router import Listening, Router, RouterConfig, listen
 from smetric.workload.e2e_sweep import free_port, router_env, stop_process, wait_ready
 
 if os.environ.get("SMETRIC_SKIP_SGLANG_ROUTER") == "1":
@@ -174,6 +174,7 @@ class Bed:
         self.taps: list[Tap] = []
         self.http: aiohttp.ClientSession | None = None
         self.ours: Router | None = None
+        self.ours_server: Listening | None = None
         self.ours_url = self.sglang_url = ""
         self.sglang: subprocess.Popen[bytes] | None = None
         self.sglang_log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in stop())
@@ -212,7 +213,8 @@ class Bed:
         )
         self.sglang_url = f"http://127.0.0.1:{port}"
         self.ours = Router(RouterConfig(worker_urls=urls, policy=policy, port=0))
-        self.ours_url = self.run(self._serve(self.ours.app()))
+        self.ours_server = self.run(listen(self.ours, "127.0.0.1", 0))  # the Rust data plane
+        self.ours_url = f"http://127.0.0.1:{self.ours_server.port}"
         try:
             self.run(wait_ready(self.sglang_url, self.sglang, 60.0), timeout_s=70.0)
         except RuntimeError as e:
@@ -224,9 +226,9 @@ class Bed:
         if self.sglang is not None:
             stop_process(self.sglang)
             self.sglang = None
-        if self.ours is not None:
-            self.run(self.runners.pop().cleanup())
-            self.ours = None
+        if self.ours_server is not None:
+            self.run(self.ours_server.close())
+            self.ours, self.ours_server = None, None
 
     async def _stop(self) -> None:
         for runner in reversed(self.runners):

@@ -7,6 +7,7 @@ The public API of the prefix index (a Rust extension) is re-exported here; see
 from smetric._prefix_index import (
     GLOBAL_TIER,
     BlockKeys,
+    DataPlane,
     Match,
     PrefixIndex,
     __version__,
@@ -18,6 +19,7 @@ from smetric._prefix_index import (
 __all__ = [
     "GLOBAL_TIER",
     "BlockKeys",
+    "DataPlane",
     "Match",
     "PrefixIndex",
     "__version__",

@@ -170,3 +170,26 @@ class PrefixIndex:
         the heap memory of the index's structures, estimated from their capacities."""
     def _check_invariants(self) -> None:
         """Panics (``pyo3_runtime.PanicException``) if the tree is inconsistent; for tests."""
+
+class DataPlane:
+    """The router's data plane (Rust: tokio and hyper): an HTTP/1.1 server for clients and a
+    pooled client for workers. Generation requests are read here and handed to
+    ``router.dp_begin(path, body, headers, read_s)``, which returns an exchange (see
+    ``smetric.router.app.Exchange``), an error ``(status, json_body)``, or None to pass the
+    request to the Python application at ``internal_url``, as every other route is."""
+
+    def __init__(
+        self,
+        router: object,
+        internal_url: str,
+        max_payload_size: int,
+        read_timeout_s: float,
+        connect_timeout_s: float,
+        threads: int = 2,
+    ) -> None: ...
+    def start(self, host: str, port: int) -> int:
+        """Listens on ``host:port`` (0: a free port) and returns the port; OSError if it cannot."""
+    def stop(self) -> None:
+        """Stops listening; exchanges still open are ended, their accounting released."""
+    @property
+    def port(self) -> int | None: ...

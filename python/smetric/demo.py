@@ -16,12 +16,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from aiohttp import web
-
 from smetric import GLOBAL_TIER
 from smetric.emulator import EmulatedCluster
 from smetric.perf import load_profile
-from smetric.router import Router, RouterConfig
+from smetric.router import Router, RouterConfig, listen
 from smetric.slo import SLOModel
 from smetric.workload.agents import Session, load_sessions
 from smetric.workload.replay import TurnResult, replay_sessions
@@ -85,17 +83,15 @@ async def run_policy(
         health_check_interval_secs=5.0,
     )
     router = Router(config)
-    runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[-1][1]}"
+    server = await listen(router, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.port}"
     t0 = time.perf_counter()
     try:
         results = await replay_sessions(
             url, sessions, start_gap_s=start_gap_s, time_scale=time_scale
         )
     finally:
-        await runner.cleanup()
+        await server.close()
     return results, time.perf_counter() - t0
 
 

@@ -2,9 +2,11 @@
 
 Hot path, top to bottom: ``handle_generation`` reads and keys the body (``view_body``, in Rust
 from the bytes; ``view_request`` over the parsed body where it cannot), ``_snapshot`` matches the
-prompt against every worker at once and builds the policy's view, the policy decides,
-``_forward`` sends the body byte for byte and streams the answer back chunk by chunk, and the
-accounting follows the request (dispatch, first chunk, finish).
+prompt against every worker at once and builds the policy's view, the policy decides, the data
+plane sends the body byte for byte and streams the answer back chunk by chunk, and an
+``Exchange`` keeps the accounting of each attempt (dispatch, first chunk, finish). The data
+plane is Rust by default (``dataplane.rs``: tokio and hyper carry the bytes, and call the
+``Exchange`` at each step); ``--data-plane aiohttp`` keeps it all in Python (``_drive``).
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import logging
 import math
 import os
 import random
+import threading
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
 
 import aiohttp
 from aiohttp import web
 
-from smetric import GLOBAL_TIER, PrefixIndex
+from smetric import GLOBAL_TIER, DataPlane, PrefixIndex
 from smetric.cluster import ClusterView, Decision
 from smetric.perf import load_profile
 from smetric.policies import Policy, PolicyConfig, SMetricConfig, make_policy
@@ -66,7 +70,7 @@ async def _downstream(write: Any) -> None:
         raise ClientGone() from e
 
 
-def error_json(status: int, message: str, kind: str | None = None) -> web.Response:
+def error_body(status: int, message: str, kind: str | None = None) -> bytes:
     kind = kind or {
         400: "BadRequestError",
         401: "AuthenticationError",
@@ -74,9 +78,242 @@ def error_json(status: int, message: str, kind: str | None = None) -> web.Respon
         413: "RequestTooLarge",
         503: "ServiceUnavailable",
     }.get(status, "ServerError")
-    return web.json_response(
-        {"error": {"message": message, "type": kind, "code": status}}, status=status
+    return json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+
+
+def error_json(status: int, message: str, kind: str | None = None) -> web.Response:
+    return web.Response(
+        body=error_body(status, message, kind), status=status, content_type="application/json"
     )
+
+
+class Exchange:
+    """One client request through the router: the workers it tries, the accounting of each
+    attempt, and what the client is told. Two data planes drive it through the same steps, the
+    aiohttp one (``Router._drive``) and the Rust one (``dataplane.rs``):
+
+    ``next()`` names the worker of the next attempt and the headers to send it (None: no worker
+    or attempt left, answer ``refusal()``). The attempt then ends in ``failed(reason)`` if
+    nothing reached the client (it returns the backoff before the next attempt, None when they
+    are spent), or goes ``head(...)``, ``first_token(...)`` and ``end(outcome, ...)``. ``end``
+    is safe to call again, so a data plane that loses its client can always call it.
+
+    Every step holds the router's lock: the Rust data plane calls from its own threads.
+    """
+
+    __slots__ = (
+        "attempt_t0",
+        "attempts",
+        "backoff",
+        "decision",
+        "hit",
+        "last_error",
+        "open",
+        "path",
+        "pinned",
+        "prefilled",
+        "rid",
+        "router",
+        "status",
+        "t0",
+        "tried",
+        "uncached",
+        "upstream_headers",
+        "view",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        router: Router,
+        view: RequestView,
+        path: str,
+        rid: str,
+        t0: float,
+        headers: Mapping[str, str],
+        pinned: tuple[Worker, Decision] | None = None,
+    ) -> None:
+        self.router, self.view, self.path, self.rid, self.t0 = router, view, path, rid, t0
+        up = [
+            ("Content-Type", headers.get("content-type", "application/json")),
+            ("X-Request-ID", rid),
+        ]
+        auth = headers.get("authorization")
+        if auth:
+            up.append(("Authorization", auth))
+        up.append(("Accept-Encoding", headers.get("accept-encoding", "identity")))
+        self.upstream_headers = up
+        self.pinned = pinned
+        """A worker chosen beforehand (PD's decode): one attempt, there."""
+        self.tried: set[str] = set()
+        self.attempts = 0
+        self.backoff = router.config.retry_initial_backoff_ms / 1000
+        self.last_error = "no healthy worker available"
+        self.worker: Worker | None = None
+        self.decision: Decision | None = None
+        self.hit = self.uncached = self.status = 0
+        self.open = self.prefilled = False
+        self.attempt_t0 = 0.0
+
+    def next(self) -> tuple[str, list[tuple[str, str]]] | None:
+        r = self.router
+        with r.lock:
+            if self.pinned is not None:
+                if self.attempts:
+                    return None
+                worker, decision = self.pinned
+                hit = 0
+            else:
+                if self.attempts >= r.config.max_attempts:
+                    return None
+                workers = r._eligible("regular", self.tried)
+                if not workers:
+                    return None
+                cluster = r._snapshot(self.view, workers)
+                decision = r.policy.select(self.view, cluster)
+                worker = workers[decision.worker]
+                hit = cluster.local_hit_tokens(decision.worker, self.view.prompt_tokens)
+                r.decisions[(r.policy.name, decision.reason)] += 1
+            self.tried.add(worker.url)
+            self.worker, self.decision, self.hit = worker, decision, hit
+            self.uncached = r._dispatch(worker, self.view, hit)
+            self.open, self.prefilled, self.status = True, False, 0
+            self.attempt_t0 = time.perf_counter()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
+                self.rid,
+                worker.url,
+                decision.reason,
+                hit,
+                self.attempts,
+            )
+        return worker.url, self.upstream_headers
+
+    def refusal(self) -> tuple[int, bytes]:
+        """The answer when no attempt is left: 503, with the last failure."""
+        r = self.router
+        with r.lock:
+            r.requests[(self.view.api, 503)] += 1
+        what = "decode worker failed" if self.pinned else "no worker could serve the request"
+        return 503, error_body(503, f"{what}: {self.last_error}")
+
+    def failed(self, reason: str) -> float | None:
+        r, c = self.router, self.router.config
+        with r.lock:
+            if not self.open:
+                return None
+            assert self.worker is not None
+            self.worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+            self._close()
+            self.last_error = reason
+            self.attempts += 1
+            if self.pinned is not None:
+                return None
+            r.retries += 1
+        log.warning("retry rid=%s worker=%s error=%s", self.rid, self.worker.url, reason)
+        if self.attempts >= c.max_attempts:
+            return None
+        delay = min(self.backoff, c.retry_max_backoff_ms / 1000)
+        self.backoff *= c.retry_backoff_multiplier
+        return delay
+
+    def head(self, status: int, content_encoding: str | None) -> tuple[bool, list[tuple[str, str]]]:
+        """The worker's answer began: whether to stream it, and the headers for the client
+        (the content type is the data plane's to pass on)."""
+        r = self.router
+        assert self.worker is not None and self.decision is not None
+        with r.lock:
+            self.status = status
+            if status == 200:
+                r._accepted(self.worker, self.view, self.hit)
+        headers = [("X-Request-ID", self.rid)]
+        if r.config.decision_header:
+            headers.append(("X-SMetric-Worker", self.worker.url))
+            headers.append(("X-SMetric-Reason", self.decision.reason))
+        if content_encoding:
+            headers.append(("Content-Encoding", content_encoding))
+        return self.view.stream and status == 200, headers
+
+    def first_token(self, streamed: bool) -> None:
+        """The first bytes of the answer: the prefill is done. A streamed first chunk is the
+        first token, whose time teaches the policy's TTFT correction."""
+        r = self.router
+        with r.lock:
+            if self.prefilled or not self.open:
+                return
+            w = self.worker
+            assert w is not None
+            self.prefilled = True
+            w.queued_prefill_tokens -= self.uncached
+            w.prefill_since = time.monotonic()  # the next queued prefill starts now
+            w.running_decode_tokens += self.view.prompt_tokens
+            now = time.perf_counter()
+            r.ttft.observe(now - self.t0)
+            observe = getattr(r.policy, "observe", None)
+            if observe is not None and streamed and not r.config.pd_disaggregation:
+                # This attempt's own TTFT, in the worker's model time (an emulated worker may
+                # run faster than real time).
+                observe(w.url, self.decision, (now - self.attempt_t0) * w.time_scale)
+
+    def end(self, outcome: str, events: int = 0, span_s: float = 0.0) -> bytes:
+        """The attempt is over: ``ok``, ``client_gone``, or ``broke:<why>`` (the stream broke
+        after part of it reached the client: returns the error event that ends it cleanly).
+        ``events`` and ``span_s``: the SSE events streamed and the time from first to last."""
+        r, c = self.router, self.router.config
+        tail = b""
+        with r.lock:
+            if not self.open:
+                return tail
+            w = self.worker
+            assert w is not None and self.decision is not None
+            if outcome == "ok":
+                w.record_success(c.cb_success_threshold)
+                r._observe_tpot(w, self.decision, events, span_s)
+            elif outcome.startswith("broke"):
+                w.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+                err = {
+                    "error": {
+                        "message": f"worker stream broke: {outcome[6:]}",
+                        "type": "ServerError",
+                        "code": 502,
+                    }
+                }
+                tail = b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+            if self.status and outcome != "client_gone":
+                r.requests[(self.view.api, self.status)] += 1
+            self._close()
+        if tail:
+            log.warning("stream broke rid=%s worker=%s error=%s", self.rid, w.url, outcome[6:])
+        elif outcome == "client_gone":
+            log.info("client gone rid=%s worker=%s", self.rid, w.url)
+        return tail
+
+    def _close(self) -> None:
+        w, r = self.worker, self.router
+        assert w is not None and self.decision is not None
+        self.open = False
+        w.in_flight -= 1
+        e2e = time.perf_counter() - self.t0
+        if self.prefilled:
+            w.running_decode_tokens -= self.view.prompt_tokens
+            r.e2e.observe(e2e)
+        else:
+            w.queued_prefill_tokens -= self.uncached
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "request rid=%s api=%s worker=%s policy=%s reason=%s prompt_tokens=%d "
+                "hit_tokens=%d stream=%s e2e_ms=%.1f",
+                self.rid,
+                self.view.api,
+                w.url,
+                r.policy.name,
+                self.decision.reason,
+                self.view.prompt_tokens,
+                self.hit,
+                self.view.stream,
+                e2e * 1e3,
+            )
 
 
 class Router:
@@ -127,6 +364,9 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
         self._load_paths: dict[str, str] = {}
+        self.lock = threading.RLock()
+        """Guards the registry, the workers' accounting and the metrics: the Rust data plane
+        calls in from its own threads, and a thread switch may fall between any two lines."""
         # Metrics.
         self.requests = Counter[tuple[str, int]]()
         self.decisions = Counter[tuple[str, str]]()
@@ -277,11 +517,12 @@ class Router:
     def _admit(self, worker: Worker) -> None:
         """Puts a worker whose facts are known into rotation and the index."""
         blocks = (worker.max_total_tokens or DEFAULT_WORKER_TOKENS) * BYTES_PER_TOKEN
-        self.index.add_instance(
-            worker.url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size)
-        )
-        self.workers[worker.url] = worker
-        self._registry_changed()
+        with self.lock:
+            self.index.add_instance(
+                worker.url, min(int(blocks / TEXT_BLOCK_BYTES), self.config.max_tree_size)
+            )
+            self.workers[worker.url] = worker
+            self._registry_changed()
 
     def _registry_changed(self) -> None:
         for slot, url in enumerate(self.index.instances()):
@@ -289,32 +530,37 @@ class Router:
         self._registry_changes += 1
 
     def unregister(self, url: str) -> Worker:
-        worker = self.workers.pop(url)
-        worker.removed = True  # requests in flight finish; nothing new goes there
-        self.index.remove_instance(url)
-        self._registry_changed()
+        with self.lock:
+            worker = self.workers.pop(url)
+            worker.removed = True  # requests in flight finish; nothing new goes there
+            self.index.remove_instance(url)
+            self._registry_changed()
         log.info("worker removed url=%s in_flight=%d", url, worker.in_flight)
         return worker
 
     async def _health_loop(self) -> None:
-        c = self.config
         while True:
-            await asyncio.sleep(c.health_check_interval_secs)
+            await asyncio.sleep(self.config.health_check_interval_secs)
             workers = list(self.workers.values())
             results = await asyncio.gather(
                 *(self._probe(w.url) for w in workers), return_exceptions=True
             )
-            for w, ok in zip(workers, results, strict=True):
-                if ok is True:
-                    w.health_failures, w.health_successes = 0, w.health_successes + 1
-                    if not w.healthy and w.health_successes >= c.health_success_threshold:
-                        w.healthy = True
-                        log.info("worker healthy again url=%s", w.url)
-                else:
-                    w.health_successes, w.health_failures = 0, w.health_failures + 1
-                    if w.healthy and w.health_failures >= c.health_failure_threshold:
-                        w.healthy = False
-                        log.warning("worker unhealthy url=%s", w.url)
+            with self.lock:
+                self._health_results(workers, results)
+
+    def _health_results(self, workers: list[Worker], results: list[Any]) -> None:
+        c = self.config
+        for w, ok in zip(workers, results, strict=True):
+            if ok is True:
+                w.health_failures, w.health_successes = 0, w.health_successes + 1
+                if not w.healthy and w.health_successes >= c.health_success_threshold:
+                    w.healthy = True
+                    log.info("worker healthy again url=%s", w.url)
+            else:
+                w.health_successes, w.health_failures = 0, w.health_failures + 1
+                if w.healthy and w.health_failures >= c.health_failure_threshold:
+                    w.healthy = False
+                    log.warning("worker unhealthy url=%s", w.url)
 
     async def _poll_load(self, w: Worker) -> None:
         timeout = min(self.config.health_check_timeout_secs, 2.0)
@@ -343,7 +589,8 @@ class Router:
         except (TypeError, ValueError, AttributeError):
             log.warning("worker %s sent a malformed load report; ignored", w.url)
             return
-        w.polled_running, w.polled_waiting, w.token_usage = running, waiting, usage
+        with self.lock:
+            w.polled_running, w.polled_waiting, w.token_usage = running, waiting, usage
 
     async def _load_loop(self) -> None:
         while True:
@@ -389,85 +636,156 @@ class Router:
             view.key.block_tokens,
         )
 
-    def _request_id(self, request: web.Request) -> str:
+    def _request_id(self, headers: Mapping[str, str]) -> str:
         for h in self.config.request_id_headers:
-            value = request.headers.get(h)
+            value = headers.get(h)
             if value:
                 return value
         return os.urandom(16).hex()  # 32 hex digits as uuid4().hex, at a quarter of the cost
 
+    def _view(self, api: str, raw: bytes, headers: Mapping[str, str]) -> RequestView | bytes:
+        """The request as the index and the policies see it, or the body of a 400 (counted)."""
+        view = view_body(api, raw, headers)
+        if view is None:  # what the fast path leaves to the reference, errors included
+            try:
+                view = view_request(api, loads(raw), headers)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                message = "request body is not valid JSON"
+            except BadRequest as e:
+                message = str(e)
+            else:
+                with self.lock:
+                    self.prompt_tokens += view.prompt_tokens
+                return view
+            with self.lock:
+                self.requests[(api, 400)] += 1
+            return error_body(400, message)
+        with self.lock:
+            self.prompt_tokens += view.prompt_tokens
+        return view
+
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
+        """The aiohttp data plane (``--data-plane aiohttp``, and PD mode)."""
         api = ROUTES[request.path]
-        rid = self._request_id(request)
+        rid = self._request_id(request.headers)
         t0 = time.perf_counter()
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
-        view = view_body(api, raw, request.headers)
-        if view is None:  # what the fast path leaves to the reference, errors included
-            try:
-                body = loads(raw)
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                return self._count(api, error_json(400, "request body is not valid JSON"))
-            try:
-                view = view_request(api, body, request.headers)
-            except BadRequest as e:
-                return self._count(api, error_json(400, str(e)))
-        self.prompt_tokens += view.prompt_tokens
+        view = self._view(api, raw, request.headers)
+        if isinstance(view, bytes):
+            return web.Response(body=view, status=400, content_type="application/json")
         if self.config.pd_disaggregation:
-            resp = await self._route_pd(request, raw, view, rid, t0)
-        else:
-            resp = await self._route(request, raw, view, rid, t0)
-        return self._count(api, resp)
+            return await self._route_pd(request, raw, view, rid, t0)
+        ex = Exchange(self, view, request.path, rid, t0, request.headers)
+        return await self._drive(request, raw, ex)
 
     def _count(self, api: str, resp: web.StreamResponse) -> web.StreamResponse:
-        self.requests[(api, resp.status)] += 1
+        with self.lock:
+            self.requests[(api, resp.status)] += 1
         return resp
 
-    def _decision_headers(self, rid: str, worker: Worker, decision: Decision) -> dict[str, str]:
-        headers = {"X-Request-ID": rid}
-        if self.config.decision_header:
-            headers["X-SMetric-Worker"] = worker.url
-            headers["X-SMetric-Reason"] = decision.reason
-        return headers
+    # ---- what the rust data plane calls (dataplane.rs) -------------------------------------
 
-    async def _route(
-        self, request: web.Request, raw: bytes, view: RequestView, rid: str, t0: float
+    def dp_begin(
+        self, path: str, raw: bytes, headers: Mapping[str, str], read_s: float
+    ) -> Exchange | tuple[int, bytes] | None:
+        """A generation request the data plane has read: its exchange, an error to answer
+        (status, JSON body), or None when the aiohttp application must serve it (PD mode)."""
+        if self.config.pd_disaggregation:
+            return None
+        t0 = time.perf_counter() - read_s
+        view = self._view(ROUTES[path], raw, headers)
+        if isinstance(view, bytes):
+            return 400, view
+        return Exchange(self, view, path, self._request_id(headers), t0, headers)
+
+    def dp_error(self, path: str, status: int, message: str) -> bytes:
+        """A generation request the data plane refused before reading it whole (413)."""
+        with self.lock:
+            self.requests[(ROUTES[path], status)] += 1
+        return error_body(status, message)
+
+    # ---- the aiohttp data plane ----------------------------------------------------------
+
+    async def _drive(self, request: web.Request, raw: bytes, ex: Exchange) -> web.StreamResponse:
+        try:
+            while (target := ex.next()) is not None:
+                try:
+                    return await self._attempt(request, raw, ex, *target)
+                except Retry as e:
+                    delay = ex.failed(str(e))
+                    if delay:
+                        await asyncio.sleep(delay)
+            status, body = ex.refusal()
+            return web.Response(body=body, status=status, content_type="application/json")
+        finally:
+            if ex.open:  # cancelled: the client went away (or PD gave up on the decode)
+                ex.end("client_gone")
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        raw: bytes,
+        ex: Exchange,
+        url: str,
+        headers: list[tuple[str, str]],
     ) -> web.StreamResponse:
-        tried: set[str] = set()
-        c = self.config
-        backoff = c.retry_initial_backoff_ms / 1000
-        last_error = "no healthy worker available"
-        for attempt in range(c.max_attempts):
-            workers = self._eligible("regular", tried)
-            if not workers:
-                break
-            cluster = self._snapshot(view, workers)
-            decision = self.policy.select(view, cluster)
-            worker = workers[decision.worker]
-            tried.add(worker.url)
-            self.decisions[(self.policy.name, decision.reason)] += 1
-            hit = cluster.local_hit_tokens(decision.worker, view.prompt_tokens)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "route rid=%s worker=%s reason=%s hit_tokens=%d attempt=%d",
-                    rid,
-                    worker.url,
-                    decision.reason,
-                    hit,
-                    attempt,
-                )
-            try:
-                return await self._forward(request, raw, view, worker, decision, rid, hit, t0)
-            except Retry as e:
-                last_error = str(e)
-                self.retries += 1
-                log.warning("retry rid=%s worker=%s error=%s", rid, worker.url, e)
-                if attempt + 1 < c.max_attempts:
-                    await asyncio.sleep(min(backoff, c.retry_max_backoff_ms / 1000))
-                    backoff *= c.retry_backoff_multiplier
-        return error_json(503, f"no worker could serve the request: {last_error}")
+        assert self.session is not None
+        sent = False
+        resp = web.StreamResponse()
+        try:
+            async with self.session.post(
+                url + request.path,
+                data=raw,
+                headers=dict(headers),
+                timeout=self._upstream_timeout,
+            ) as up:
+                if up.status >= 500:
+                    raise Retry(f"worker answered {up.status}")
+                stream, out_headers = ex.head(up.status, up.headers.get("Content-Encoding"))
+                ctype = up.headers.get("Content-Type", "application/json").split(";")[0]
+                if not stream:
+                    data = await up.read()
+                    ex.first_token(False)
+                    ex.end("ok")
+                    return web.Response(
+                        body=data, status=up.status, headers=dict(out_headers), content_type=ctype
+                    )
+                resp = web.StreamResponse(status=up.status, headers=dict(out_headers))
+                resp.content_type = ctype
+                # SSE events seen and when the first and last came, for the TPOT correction.
+                events, t_first, t_last = 0, 0.0, 0.0
+                async for chunk in up.content.iter_any():
+                    if not sent:
+                        await _downstream(resp.prepare(request))
+                        sent = True
+                    ex.first_token(True)
+                    n = chunk.count(b"data: {")
+                    if n:
+                        t_last = time.perf_counter()
+                        if not events:
+                            t_first = t_last
+                        events += n
+                    await _downstream(resp.write(chunk))
+                if not sent:
+                    await _downstream(resp.prepare(request))
+                ex.end("ok", events, t_last - t_first)
+                await _downstream(resp.write_eof())
+                return resp
+        except ClientGone:
+            ex.end("client_gone")
+            return resp
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            if not sent:
+                raise Retry(f"{type(e).__name__}: {e}") from e
+            # Part of the stream reached the client: end it with a clean error event.
+            tail = ex.end(f"broke:{type(e).__name__}")
+            with contextlib.suppress(Exception):
+                await resp.write(tail)
+                await resp.write_eof()
+            return resp
 
     def _dispatch(self, worker: Worker, view: RequestView, hit: int) -> int:
         uncached = view.prompt_tokens - hit
@@ -496,135 +814,6 @@ class Router:
             return
         observe(worker.url, decision, span_s / (events - 1) * worker.time_scale)
 
-    async def _forward(
-        self,
-        request: web.Request,
-        raw: bytes,
-        view: RequestView,
-        worker: Worker,
-        decision: Decision,
-        rid: str,
-        hit: int,
-        t0: float,
-    ) -> web.StreamResponse:
-        assert self.session is not None
-        c = self.config
-        uncached = self._dispatch(worker, view, hit)
-        prefilled = False
-        sent = False
-        attempt_t0 = time.perf_counter()
-
-        def first_token(observe_ttft: bool) -> None:
-            nonlocal prefilled
-            if not prefilled:
-                prefilled = True
-                worker.queued_prefill_tokens -= uncached
-                worker.prefill_since = time.monotonic()  # the next queued prefill starts now
-                worker.running_decode_tokens += view.prompt_tokens
-                self.ttft.observe(time.perf_counter() - t0)
-                observe = getattr(self.policy, "observe", None)
-                if observe is not None and observe_ttft:
-                    # This attempt's own TTFT, in the worker's model time (an emulated worker
-                    # may run faster than real time).
-                    ttft = (time.perf_counter() - attempt_t0) * worker.time_scale
-                    observe(worker.url, decision, ttft)
-
-        headers = {
-            "Content-Type": request.headers.get("Content-Type", "application/json"),
-            "X-Request-ID": rid,
-        }
-        if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
-        headers["Accept-Encoding"] = request.headers.get("Accept-Encoding", "identity")
-        try:
-            async with self.session.post(
-                worker.url + request.path, data=raw, headers=headers, timeout=self._upstream_timeout
-            ) as up:
-                if up.status >= 500:
-                    worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
-                    raise Retry(f"worker answered {up.status}")
-                out_headers = self._decision_headers(rid, worker, decision)
-                if "Content-Encoding" in up.headers:
-                    out_headers["Content-Encoding"] = up.headers["Content-Encoding"]
-                ctype = up.headers.get("Content-Type", "application/json")
-                if up.status == 200:
-                    self._accepted(worker, view, hit)
-                if not view.stream or up.status != 200:
-                    data = await up.read()
-                    first_token(False)
-                    worker.record_success(c.cb_success_threshold)
-                    return web.Response(
-                        body=data,
-                        status=up.status,
-                        headers=out_headers,
-                        content_type=ctype.split(";")[0],
-                    )
-                resp = web.StreamResponse(status=up.status, headers=out_headers)
-                resp.content_type = ctype.split(";")[0]
-                # SSE events seen and when the first and last came, for the TPOT correction.
-                events, t_first, t_last = 0, 0.0, 0.0
-                async for chunk in up.content.iter_any():
-                    if not sent:
-                        await _downstream(resp.prepare(request))
-                        sent = True
-                    first_token(not self.config.pd_disaggregation)
-                    n = chunk.count(b"data: {")
-                    if n:
-                        t_last = time.perf_counter()
-                        if not events:
-                            t_first = t_last
-                        events += n
-                    await _downstream(resp.write(chunk))
-                if not sent:
-                    await _downstream(resp.prepare(request))
-                worker.record_success(c.cb_success_threshold)
-                await _downstream(resp.write_eof())
-                self._observe_tpot(worker, decision, events, t_last - t_first)
-                return resp
-        except ClientGone:
-            log.info("client gone rid=%s worker=%s", rid, worker.url)
-            return resp
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            worker.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
-            if not sent:
-                raise Retry(f"{type(e).__name__}: {e}") from e
-            # Part of the stream reached the client: end it with a clean error event.
-            log.warning("stream broke rid=%s worker=%s error=%r", rid, worker.url, e)
-            with contextlib.suppress(Exception):
-                err = {
-                    "error": {
-                        "message": f"worker stream broke: {type(e).__name__}",
-                        "type": "ServerError",
-                        "code": 502,
-                    }
-                }
-                await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
-                await resp.write_eof()
-            return resp
-        finally:
-            worker.in_flight -= 1
-            if prefilled:
-                worker.running_decode_tokens -= view.prompt_tokens
-            else:
-                worker.queued_prefill_tokens -= uncached
-            e2e = time.perf_counter() - t0
-            if prefilled:
-                self.e2e.observe(e2e)
-            if log.isEnabledFor(logging.INFO):
-                log.info(
-                    "request rid=%s api=%s worker=%s policy=%s reason=%s prompt_tokens=%d "
-                    "hit_tokens=%d stream=%s e2e_ms=%.1f",
-                    rid,
-                    view.api,
-                    worker.url,
-                    self.policy.name,
-                    decision.reason,
-                    view.prompt_tokens,
-                    hit,
-                    view.stream,
-                    e2e * 1e3,
-                )
-
     # ---- PD ------------------------------------------------------------------------------
 
     async def _route_pd(
@@ -632,7 +821,8 @@ class Router:
     ) -> web.StreamResponse:
         prefills, decodes = self._eligible("prefill", set()), self._eligible("decode", set())
         if not prefills or not decodes:
-            return error_json(503, "PD mode needs a healthy prefill and decode worker")
+            refusal = error_json(503, "PD mode needs a healthy prefill and decode worker")
+            return self._count(view.api, refusal)
         p_cluster = self._snapshot(view, prefills)
         p_decision = self.policy.select(view, p_cluster)
         d_decision = self.decode_policy.select(view, self._snapshot(view, decodes))
@@ -649,7 +839,7 @@ class Router:
         )[1:-1].encode()
         stripped = raw.strip()
         if not stripped.startswith(b"{"):
-            return error_json(400, "request body must be a JSON object")
+            return self._count(view.api, error_json(400, "request body must be a JSON object"))
         rest = stripped[1:].lstrip()
         body = b"{" + inject + (b"," if not rest.startswith(b"}") else b"") + rest
         hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
@@ -683,7 +873,11 @@ class Router:
         loop = asyncio.get_running_loop()
         prefill_task = loop.create_task(run_prefill())
         decode_task = loop.create_task(
-            self._forward(request, body, view, decode, d_decision, rid, 0, t0)
+            self._drive(
+                request,
+                body,
+                Exchange(self, view, request.path, rid, t0, request.headers, (decode, d_decision)),
+            )
         )
         try:
             await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -693,10 +887,9 @@ class Router:
                 decode_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await decode_task
-                return error_json(502, f"prefill worker {prefill.url} failed")
+                failure = error_json(502, f"prefill worker {prefill.url} failed")
+                return self._count(view.api, failure)
             return await decode_task
-        except Retry as e:
-            return error_json(503, f"decode worker failed: {e}")
         finally:
             for task in (prefill_task, decode_task):
                 if not task.done():
@@ -778,6 +971,11 @@ class Router:
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
+        with self.lock:
+            text = self._metrics_text()
+        return web.Response(text=text, content_type="text/plain")
+
+    def _metrics_text(self) -> str:
         fam: dict[str, tuple[str, dict[tuple[tuple[str, str], ...], float]]] = {
             "requests_total": (
                 "counter",
@@ -814,12 +1012,11 @@ class Router:
                 {(("worker", w.url),): w.errors_total for w in self.workers.values()},
             ),
         }
-        text = render_families(
+        return render_families(
             "smetric_",
             fam,
             {"time_to_first_token_seconds": self.ttft, "e2e_request_latency_seconds": self.e2e},
         )
-        return web.Response(text=text, content_type="text/plain")
 
     # ---- admin ---------------------------------------------------------------------------
 
@@ -911,12 +1108,49 @@ class Router:
         )
 
 
-async def serve(config: RouterConfig) -> None:
-    router = Router(config)
+class Listening:
+    """A router serving on a port: the aiohttp application, and the Rust data plane in front of
+    it unless the configuration says ``aiohttp``."""
+
+    def __init__(self, runner: web.AppRunner, plane: DataPlane | None, port: int) -> None:
+        self.runner, self.plane, self.port = runner, plane, port
+
+    async def close(self) -> None:
+        if self.plane is not None:
+            self.plane.stop()
+        await self.runner.cleanup()
+
+
+async def listen(router: Router, host: str, port: int) -> Listening:
+    """Starts ``router`` (registering its workers) and serves it on ``host:port`` (0: any)."""
+    config = router.config
     runner = web.AppRunner(router.app(), access_log=None, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    if config.data_plane != "rust":
+        await web.TCPSite(runner, host, port).start()
+        return Listening(runner, None, runner.addresses[-1][1])
+    # The aiohttp application serves, on a private loopback port, what the data plane passes
+    # on: every route but generation (and generation too in PD mode).
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    plane = DataPlane(
+        router,
+        f"http://127.0.0.1:{runner.addresses[-1][1]}",
+        config.max_payload_size,
+        config.request_timeout_secs,
+        config.health_check_timeout_secs,
+        config.data_plane_threads,
+    )
+    try:
+        port = plane.start(host, port)
+    except OSError:
+        await runner.cleanup()
+        raise
+    return Listening(runner, plane, port)
+
+
+async def serve(config: RouterConfig) -> None:
+    router = Router(config)
+    server = await listen(router, config.host, config.port)
     extra = None
     if config.prometheus_port:
         metrics_app = web.Application()
@@ -925,15 +1159,17 @@ async def serve(config: RouterConfig) -> None:
         await extra.setup()
         await web.TCPSite(extra, config.prometheus_host, config.prometheus_port).start()
     log.info(
-        "smetric router listening on http://%s:%d policy=%s workers=%d",
+        "smetric router listening on http://%s:%d policy=%s workers=%d data_plane=%s",
         config.host,
-        config.port,
+        server.port,
         router.policy.name,
         len(router.workers),
+        config.data_plane,
     )
     print(
-        f"smetric router listening on http://{config.host}:{config.port} "
-        f"(policy {router.policy.name}, {len(router.workers)} workers)",
+        f"smetric router listening on http://{config.host}:{server.port} "
+        f"(policy {router.policy.name}, {len(router.workers)} workers, "
+        f"{config.data_plane} data plane)",
         flush=True,
     )
     try:
@@ -941,4 +1177,4 @@ async def serve(config: RouterConfig) -> None:
     finally:
         if extra is not None:
             await extra.cleanup()
-        await runner.cleanup()
+        await server.close()

@@ -71,6 +71,9 @@ class RouterConfig:
     request_id_headers: list[str] = field(
         default_factory=lambda: ["x-request-id", "x-correlation-id", "x-trace-id"]
     )
+    data_plane: str = "rust"
+    """Who carries the bytes: ``rust`` (tokio/hyper, Python only decides) or ``aiohttp``."""
+    data_plane_threads: int = 2
     seed: int = 0
     profile: str = DEFAULT_PROFILE
     ttft_slo_scale: float = 5.0
@@ -247,6 +250,19 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
     )
     g.add_argument("--seed", type=int, default=0, help="seed of the random policies")
     g.add_argument(
+        "--data-plane",
+        choices=["rust", "aiohttp"],
+        default="rust",
+        help="what carries requests and responses: rust (default: a tokio/hyper server and "
+        "client; Python keeps the decisions and the accounting) or aiohttp (all in Python)",
+    )
+    g.add_argument(
+        "--data-plane-threads",
+        type=pos_i,
+        default=2,
+        help="threads of the rust data plane (default 2)",
+    )
+    g.add_argument(
         "--profile",
         default=DEFAULT_PROFILE,
         help="performance profile of the workers for the SLO model: a preset or a "
@@ -369,6 +385,8 @@ def parse_config(argv: list[str] | None = None, prog: str = "smetric serve") -> 
         log_level=args.log_level,
         decision_header=not args.no_decision_header,
         seed=args.seed,
+        data_plane=args.data_plane,
+        data_plane_threads=args.data_plane_threads,
         profile=args.profile,
         ttft_slo_scale=args.ttft_slo_scale,
         ttft_slo_ms=args.ttft_slo_ms,

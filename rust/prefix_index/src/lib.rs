@@ -9,6 +9,8 @@ pub mod keys;
 pub mod request;
 
 #[cfg(feature = "python")]
+mod dataplane;
+#[cfg(feature = "python")]
 mod python;
 
 pub use index::{IndexError, IndexStats, InstanceStats, MatchResult, PrefixIndex, GLOBAL_TIER};

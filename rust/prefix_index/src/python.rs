@@ -518,6 +518,7 @@ fn _prefix_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockKeys>()?;
     m.add_class::<PyMatch>()?;
     m.add_class::<PyPrefixIndex>()?;
+    m.add_class::<crate::dataplane::PyDataPlane>()?;
     m.add_function(wrap_pyfunction!(hash_text, m)?)?;
     m.add_function(wrap_pyfunction!(hash_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hash_tokens_sglang, m)?)?;

@@ -1,0 +1,618 @@
+//! The router's data plane: the HTTP/1.1 server clients talk to and the client that forwards to
+//! workers, on tokio and hyper, so that Python keeps only the decisions.
+//!
+//! For `POST /generate`, `/v1/chat/completions` and `/v1/completions` the server reads the body
+//! and hands it to the Python router (`dp_begin`), which keys it, picks a worker and returns an
+//! *exchange*: an object that says where to send the request (`next`), hears how each attempt
+//! went (`failed`, `head`, `first_token`, `end`) and keeps the accounting. The bytes themselves,
+//! the waiting, the retries' backoff and the streaming back stay here. Every other route (health,
+//! metrics, worker management, and generation in PD mode, where `dp_begin` returns `None`) is
+//! passed to the Python application on a private loopback port.
+//!
+//! Python runs under the GIL on whichever tokio thread serves the request; the router guards
+//! its state with its own lock. An exchange whose client goes away while an attempt is open is
+//! ended (`end("client_gone")`) when its future is dropped, so no accounting leaks.
+
+// A failed step ends a request with the response to send (`Err(Response)`): large, and rare.
+#![allow(clippy::result_large_err)]
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::{Frame, Incoming};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyTuple};
+use tokio::sync::{mpsc, watch};
+
+type Body = BoxBody<Bytes, hyper::Error>;
+
+const GENERATION: [&str; 3] = ["/generate", "/v1/chat/completions", "/v1/completions"];
+/// Headers that describe one hop, not the message: never passed on.
+const HOP: [&str; 6] = [
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "proxy-connection",
+];
+
+struct Plane {
+    router: Py<PyAny>,
+    /// Base URL of the Python application that serves every other route.
+    internal: String,
+    client: Client<HttpConnector, Full<Bytes>>,
+    max_payload: usize,
+    /// The longest wait for a worker's next bytes (the head, or the next chunk).
+    read_timeout: Duration,
+    events: memchr::memmem::Finder<'static>,
+}
+
+fn full(data: impl Into<Bytes>) -> Body {
+    Full::new(data.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+fn respond(status: u16, headers: &[(String, String)], body: Body) -> Response<Body> {
+    let mut resp = Response::new(body);
+    *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let h = resp.headers_mut();
+    for (k, v) in headers {
+        if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::try_from(v)) {
+            h.append(k, v);
+        }
+    }
+    resp
+}
+
+fn json_response(status: u16, body: Vec<u8>) -> Response<Body> {
+    let mut resp = respond(status, &[], full(body));
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// The router failed (a Python exception): the traceback goes to stderr, the client gets a 500.
+fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
+    e.print(py);
+    let msg = format!(
+        "{{\"error\":{{\"message\":{:?},\"type\":\"ServerError\",\"code\":500}}}}",
+        format!("router error: {e}")
+    );
+    json_response(500, msg.into_bytes())
+}
+
+/// A response body fed by the task that pumps a worker's stream.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        self.0.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// The exchange, and whether it has an attempt open. Dropped with an attempt open (the client
+/// went away, or the server stopped), it ends the attempt so the accounting is released.
+struct Exchange {
+    ex: Option<Py<PyAny>>,
+    open: bool,
+}
+
+impl Exchange {
+    fn call<A>(&self, name: &str, args: A) -> Result<Py<PyAny>, Response<Body>>
+    where
+        A: for<'py> pyo3::call::PyCallArgs<'py>,
+    {
+        let ex = self.ex.as_ref().expect("exchange already handed on");
+        Python::attach(|py| {
+            ex.bind(py)
+                .call_method1(name, args)
+                .map(Bound::unbind)
+                .map_err(|e| router_error(py, e))
+        })
+    }
+
+    /// The attempt failed before anything reached the client: the router books it and says
+    /// how long to wait before the next (`None`: no attempt left).
+    async fn failed(&mut self, reason: String) -> Result<(), Response<Body>> {
+        let delay = self.call("failed", (reason,))?;
+        self.open = false;
+        let delay: Option<f64> = Python::attach(|py| delay.extract(py)).unwrap_or(None);
+        if let Some(d) = delay.filter(|d| d.is_finite() && *d > 0.0) {
+            tokio::time::sleep(Duration::from_secs_f64(d)).await;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Exchange {
+    fn drop(&mut self) {
+        if let (true, Some(ex)) = (self.open, self.ex.take()) {
+            Python::attach(|py| {
+                if let Err(e) = ex
+                    .bind(py)
+                    .call_method1("end", ("client_gone", 0usize, 0.0f64))
+                {
+                    e.print(py);
+                }
+            });
+        }
+    }
+}
+
+async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static str)> {
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+            Err((413, "request body exceeds --max-payload-size"))
+        }
+        Err(_) => Err((400, "could not read the request body")),
+    }
+}
+
+/// The next data of a worker's answer: `Ok(None)` at its end, `Err` when it broke or went
+/// quiet for longer than the read timeout.
+async fn next_data(body: &mut Incoming, timeout: Duration) -> Result<Option<Bytes>, String> {
+    loop {
+        match tokio::time::timeout(timeout, body.frame()).await {
+            Err(_) => return Err("TimeoutError: the worker went quiet".into()),
+            Ok(None) => return Ok(None),
+            Ok(Some(Err(e))) => return Err(format!("ClientPayloadError: {e}")),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    if !data.is_empty() {
+                        return Ok(Some(data));
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let arrived = Instant::now();
+    let generation = req.method() == Method::POST && GENERATION.contains(&req.uri().path());
+    let (parts, body) = req.into_parts();
+    let raw = match read_body(body, plane.max_payload).await {
+        Ok(raw) => raw,
+        Err((status, message)) if generation => {
+            return Ok(Python::attach(|py| {
+                match plane
+                    .router
+                    .bind(py)
+                    .call_method1("dp_error", (parts.uri.path(), status, message))
+                {
+                    Ok(b) => json_response(status, b.extract().unwrap_or_default()),
+                    Err(e) => router_error(py, e),
+                }
+            }))
+        }
+        Err((status, message)) => {
+            let body = format!(
+                "{{\"error\":{{\"message\":{message:?},\"type\":\"BadRequestError\",\"code\":{status}}}}}"
+            );
+            return Ok(json_response(status, body.into_bytes()));
+        }
+    };
+    if !generation {
+        return Ok(to_internal(&plane, parts, raw).await);
+    }
+    let read_s = arrived.elapsed().as_secs_f64();
+    let begun = Python::attach(
+        |py| -> PyResult<Option<Result<Py<PyAny>, Response<Body>>>> {
+            let headers = PyDict::new(py);
+            for (k, v) in parts.headers.iter() {
+                if let Ok(v) = v.to_str() {
+                    headers.set_item(k.as_str(), v)?;
+                }
+            }
+            let out = plane.router.bind(py).call_method1(
+                "dp_begin",
+                (parts.uri.path(), PyBytes::new(py, &raw), headers, read_s),
+            )?;
+            if out.is_none() {
+                return Ok(None); // PD mode: the Python application serves it
+            }
+            if let Ok(t) = out.cast::<PyTuple>() {
+                let (status, body): (u16, Vec<u8>) = t.extract()?;
+                return Ok(Some(Err(json_response(status, body))));
+            }
+            Ok(Some(Ok(out.unbind())))
+        },
+    );
+    let ex = match begun {
+        Err(e) => return Ok(Python::attach(|py| router_error(py, e))),
+        Ok(None) => return Ok(to_internal(&plane, parts, raw).await),
+        Ok(Some(Err(resp))) => return Ok(resp),
+        Ok(Some(Ok(ex))) => ex,
+    };
+    let mut ex = Exchange {
+        ex: Some(ex),
+        open: false,
+    };
+    Ok(forward(&plane, parts.uri.path(), raw, &mut ex)
+        .await
+        .unwrap_or_else(|resp| resp))
+}
+
+type Next = Option<(String, Vec<(String, String)>)>;
+
+/// Tries workers as the exchange names them until one answers, then answers the client: whole
+/// (not streaming, or an error status), or as a stream fed by `pump`.
+async fn forward(
+    plane: &Arc<Plane>,
+    path: &str,
+    raw: Bytes,
+    ex: &mut Exchange,
+) -> Result<Response<Body>, Response<Body>> {
+    loop {
+        let next = ex.call("next", ())?;
+        let next: Next = Python::attach(|py| next.extract(py).map_err(|e| router_error(py, e)))?;
+        let Some((url, headers)) = next else {
+            let refusal = ex.call("refusal", ())?;
+            let (status, body): (u16, Vec<u8>) =
+                Python::attach(|py| refusal.extract(py).map_err(|e| router_error(py, e)))?;
+            return Ok(json_response(status, body));
+        };
+        ex.open = true;
+        let mut req = Request::post(format!("{url}{path}"))
+            .body(Full::new(raw.clone()))
+            .map_err(|e| json_response(500, format!("{{\"error\":{e:?}}}").into_bytes()))?;
+        for (k, v) in &headers {
+            if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::try_from(v)) {
+                req.headers_mut().append(k, v);
+            }
+        }
+        let resp = match tokio::time::timeout(plane.read_timeout, plane.client.request(req)).await {
+            Err(_) => Err("TimeoutError: no answer from the worker in time".to_string()),
+            Ok(Err(e)) => Err(format!("ClientConnectorError: {}", error_chain(&e))),
+            Ok(Ok(r)) => Ok(r),
+        };
+        let resp = match resp {
+            Ok(r) => r,
+            Err(reason) => {
+                ex.failed(reason).await?;
+                continue;
+            }
+        };
+        let status = resp.status().as_u16();
+        if status >= 500 {
+            ex.failed(format!("worker answered {status}")).await?;
+            continue;
+        }
+        let text = |name| {
+            resp.headers()
+                .get(name)
+                .and_then(|v: &HeaderValue| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let (ctype, cenc) = (text(CONTENT_TYPE), text(CONTENT_ENCODING));
+        let head = ex.call("head", (status, cenc))?;
+        let (stream, mut out_headers): (bool, Vec<(String, String)>) =
+            Python::attach(|py| head.extract(py).map_err(|e| router_error(py, e)))?;
+        out_headers.push((
+            "content-type".into(),
+            ctype.unwrap_or_else(|| "application/json".into()),
+        ));
+        let mut body = resp.into_body();
+        if !stream {
+            let mut data = Vec::new();
+            let broke = loop {
+                match next_data(&mut body, plane.read_timeout).await {
+                    Ok(Some(chunk)) => data.extend_from_slice(&chunk),
+                    Ok(None) => break None,
+                    Err(reason) => break Some(reason),
+                }
+            };
+            if let Some(reason) = broke {
+                ex.failed(reason).await?;
+                continue;
+            }
+            ex.call("first_token", (false,))?;
+            ex.call("end", ("ok", 0usize, 0.0f64))?;
+            ex.open = false;
+            return Ok(respond(status, &out_headers, full(data)));
+        }
+        // Wait for the first bytes before answering: until then a failed worker can be retried.
+        let first = match next_data(&mut body, plane.read_timeout).await {
+            Ok(first) => first,
+            Err(reason) => {
+                ex.failed(reason).await?;
+                continue;
+            }
+        };
+        let Some(first) = first else {
+            ex.call("end", ("ok", 0usize, 0.0f64))?;
+            ex.open = false;
+            return Ok(respond(status, &out_headers, full(Bytes::new())));
+        };
+        ex.call("first_token", (true,))?;
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        let handed = ex.ex.take().expect("exchange present");
+        ex.open = false;
+        tokio::spawn(pump(plane.clone(), handed, body, first, tx));
+        return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
+    }
+}
+
+/// Passes a worker's stream to the client chunk by chunk, counting its SSE events for the TPOT
+/// correction, and ends the exchange with how it went.
+async fn pump(
+    plane: Arc<Plane>,
+    ex: Py<PyAny>,
+    mut body: Incoming,
+    first: Bytes,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let mut events = 0usize;
+    let (mut t_first, mut t_last) = (Instant::now(), Instant::now());
+    let mut count = |data: &Bytes| {
+        let n = plane.events.find_iter(data).count();
+        if n > 0 {
+            t_last = Instant::now();
+            if events == 0 {
+                t_first = t_last;
+            }
+            events += n;
+        }
+    };
+    count(&first);
+    let mut outcome = String::from("ok");
+    if tx.send(first).await.is_err() {
+        outcome = "client_gone".into();
+    } else {
+        loop {
+            tokio::select! {
+                _ = tx.closed() => {
+                    outcome = "client_gone".into();
+                    break;
+                }
+                next = next_data(&mut body, plane.read_timeout) => match next {
+                    Ok(None) => break,
+                    Err(reason) => {
+                        outcome = format!("broke:{reason}");
+                        break;
+                    }
+                    Ok(Some(data)) => {
+                        count(&data);
+                        if tx.send(data).await.is_err() {
+                            outcome = "client_gone".into();
+                            break;
+                        }
+                    }
+                },
+            }
+        }
+    }
+    drop(body); // unread, it closes the worker's connection: the worker stops generating
+    let span = t_last.duration_since(t_first).as_secs_f64();
+    let tail: Vec<u8> = Python::attach(|py| {
+        match ex
+            .bind(py)
+            .call_method1("end", (outcome.as_str(), events, span))
+        {
+            Ok(t) => t.extract().unwrap_or_default(),
+            Err(e) => {
+                e.print(py);
+                Vec::new()
+            }
+        }
+    });
+    if !tail.is_empty() {
+        let _ = tx.send(Bytes::from(tail)).await;
+    }
+}
+
+/// Every route but generation: to the Python application, and its answer back as it comes.
+async fn to_internal(
+    plane: &Plane,
+    parts: hyper::http::request::Parts,
+    raw: Bytes,
+) -> Response<Body> {
+    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut req = Request::new(Full::new(raw));
+    *req.method_mut() = parts.method;
+    *req.uri_mut() = match format!("{}{pq}", plane.internal).parse() {
+        Ok(u) => u,
+        Err(_) => return json_response(400, b"{\"error\":\"bad request target\"}".to_vec()),
+    };
+    for (k, v) in parts.headers.iter() {
+        if !HOP.contains(&k.as_str()) && k != "host" && k != "content-length" {
+            req.headers_mut().append(k, v.clone());
+        }
+    }
+    match plane.client.request(req).await {
+        Ok(resp) => {
+            let (mut p, b) = resp.into_parts();
+            for h in HOP {
+                p.headers.remove(h);
+            }
+            Response::from_parts(p, b.boxed())
+        }
+        Err(e) => {
+            let msg = format!(
+                "{{\"error\":{{\"message\":{:?},\"type\":\"ServerError\",\"code\":502}}}}",
+                format!("router's control plane unreachable: {}", error_chain(&e))
+            );
+            json_response(502, msg.into_bytes())
+        }
+    }
+}
+
+async fn accept_loop(
+    listener: std::net::TcpListener,
+    plane: Arc<Plane>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("smetric data plane: cannot listen: {e}");
+            return;
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let _ = stream.set_nodelay(true);
+                    let plane = plane.clone();
+                    tokio::spawn(async move {
+                        let svc = service_fn(move |req| serve(plane.clone(), req));
+                        let _ = http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .await;
+                    });
+                }
+                // Out of file descriptors, most likely: let some connections close.
+                Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            },
+        }
+    }
+}
+
+struct Running {
+    runtime: tokio::runtime::Runtime,
+    stop: watch::Sender<bool>,
+    port: u16,
+}
+
+/// The data plane: `DataPlane(router, internal_url, max_payload_size, read_timeout_s,
+/// connect_timeout_s, threads)`, then `start(host, port)` (returns the port it listens on) and
+/// `stop()`.
+#[pyclass(module = "smetric._prefix_index", name = "DataPlane")]
+pub struct PyDataPlane {
+    router: Py<PyAny>,
+    internal: String,
+    max_payload: usize,
+    read_timeout: Duration,
+    connect_timeout: Duration,
+    threads: usize,
+    running: Mutex<Option<Running>>,
+}
+
+fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+    if !(value.is_finite() && value > 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be a positive number of seconds, got {value}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(value.min(1e9)))
+}
+
+#[pymethods]
+impl PyDataPlane {
+    #[new]
+    #[pyo3(signature = (router, internal_url, max_payload_size, read_timeout_s, connect_timeout_s, threads=2))]
+    fn new(
+        router: Py<PyAny>,
+        internal_url: String,
+        max_payload_size: usize,
+        read_timeout_s: f64,
+        connect_timeout_s: f64,
+        threads: usize,
+    ) -> PyResult<Self> {
+        if threads == 0 {
+            return Err(PyValueError::new_err("threads must be at least 1"));
+        }
+        Ok(Self {
+            router,
+            internal: internal_url.trim_end_matches('/').to_owned(),
+            max_payload: max_payload_size,
+            read_timeout: seconds("read_timeout_s", read_timeout_s)?,
+            connect_timeout: seconds("connect_timeout_s", connect_timeout_s)?,
+            threads,
+            running: Mutex::new(None),
+        })
+    }
+
+    /// Listens on `host:port` (0: any free port) and serves until `stop()`; returns the port.
+    fn start(&self, py: Python<'_>, host: &str, port: u16) -> PyResult<u16> {
+        let mut running = self.running.lock().expect("data plane lock");
+        if running.is_some() {
+            return Err(PyRuntimeError::new_err("the data plane is already running"));
+        }
+        let listener = std::net::TcpListener::bind((host, port))
+            .map_err(|e| PyOSError::new_err(format!("cannot listen on {host}:{port}: {e}")))?;
+        listener.set_nonblocking(true)?;
+        let port = listener.local_addr()?.port();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(self.threads)
+            .thread_name("smetric-data-plane")
+            .enable_all()
+            .build()?;
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(self.connect_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(90))
+            .build(connector);
+        let plane = Arc::new(Plane {
+            router: self.router.clone_ref(py),
+            internal: self.internal.clone(),
+            client,
+            max_payload: self.max_payload,
+            read_timeout: self.read_timeout,
+            events: memchr::memmem::Finder::new(b"data: {").into_owned(),
+        });
+        let (stop, stopped) = watch::channel(false);
+        runtime.spawn(accept_loop(listener, plane, stopped));
+        *running = Some(Running {
+            runtime,
+            stop,
+            port,
+        });
+        Ok(port)
+    }
+
+    /// Stops listening and ends every exchange still open (their accounting is released).
+    fn stop(&self, py: Python<'_>) {
+        let running = self.running.lock().expect("data plane lock").take();
+        if let Some(r) = running {
+            let _ = r.stop.send(true);
+            py.detach(|| r.runtime.shutdown_timeout(Duration::from_secs(5)));
+        }
+    }
+
+    #[getter]
+    fn port(&self) -> Option<u16> {
+        self.running
+            .lock()
+            .expect("data plane lock")
+            .as_ref()
+            .map(|r| r.port)
+    }
+}
