@@ -235,6 +235,23 @@ class Exchange:
             headers.append(("Content-Encoding", content_encoding))
         return self.view.stream and status == 200, headers
 
+    @property
+    def stream(self) -> bool:
+        return self.view.stream
+
+    def whole(self, status: int, content_encoding: str | None) -> list[tuple[str, str]]:
+        """A whole answer arrived (not streamed): ``head``, ``first_token`` and ``end("ok")``."""
+        _, headers = self.head(status, content_encoding)
+        self.first_token(False)
+        self.end("ok")
+        return headers
+
+    def streaming(self, status: int, content_encoding: str | None) -> list[tuple[str, str]]:
+        """A stream's first chunk arrived: ``head`` and ``first_token``."""
+        _, headers = self.head(status, content_encoding)
+        self.first_token(True)
+        return headers
+
     def first_token(self, streamed: bool) -> None:
         """The first bytes of the answer: the prefill is done. A streamed first chunk is the
         first token, whose time teaches the policy's TTFT correction."""

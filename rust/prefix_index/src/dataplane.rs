@@ -230,44 +230,66 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
         return Ok(to_internal(&plane, parts, raw).await);
     }
     let read_s = arrived.elapsed().as_secs_f64();
-    let begun = Python::attach(
-        |py| -> PyResult<Option<Result<Py<PyAny>, Response<Body>>>> {
-            let headers = PyDict::new(py);
-            for (k, v) in parts.headers.iter() {
-                if let Ok(v) = v.to_str() {
-                    headers.set_item(k.as_str(), v)?;
-                }
+    // One entry into Python: the router reads the request, decides, and names the first worker.
+    let begun = Python::attach(|py| -> PyResult<Begun> {
+        let headers = PyDict::new(py);
+        for (k, v) in parts.headers.iter() {
+            if let Ok(v) = v.to_str() {
+                headers.set_item(k.as_str(), v)?;
             }
-            let out = plane.router.bind(py).call_method1(
-                "dp_begin",
-                (parts.uri.path(), PyBytes::new(py, &raw), headers, read_s),
-            )?;
-            if out.is_none() {
-                return Ok(None); // PD mode: the Python application serves it
-            }
-            if let Ok(t) = out.cast::<PyTuple>() {
-                let (status, body): (u16, Vec<u8>) = t.extract()?;
-                return Ok(Some(Err(json_response(status, body))));
-            }
-            Ok(Some(Ok(out.unbind())))
-        },
-    );
-    let ex = match begun {
+        }
+        let out = plane.router.bind(py).call_method1(
+            "dp_begin",
+            (parts.uri.path(), PyBytes::new(py, &raw), headers, read_s),
+        )?;
+        if out.is_none() {
+            return Ok(Begun::Internal); // PD mode: the Python application serves it
+        }
+        if let Ok(t) = out.cast::<PyTuple>() {
+            let (status, body): (u16, Vec<u8>) = t.extract()?;
+            return Ok(Begun::Respond(json_response(status, body)));
+        }
+        let target: Next = out.call_method0("next")?.extract()?;
+        let stream: bool = out.getattr("stream")?.extract()?;
+        Ok(Begun::Exchange(out.unbind(), target, stream))
+    });
+    let (ex, target, stream) = match begun {
         Err(e) => return Ok(Python::attach(|py| router_error(py, e))),
-        Ok(None) => return Ok(to_internal(&plane, parts, raw).await),
-        Ok(Some(Err(resp))) => return Ok(resp),
-        Ok(Some(Ok(ex))) => ex,
+        Ok(Begun::Internal) => return Ok(to_internal(&plane, parts, raw).await),
+        Ok(Begun::Respond(resp)) => return Ok(resp),
+        Ok(Begun::Exchange(ex, target, stream)) => (ex, target, stream),
     };
     let mut ex = Exchange {
+        open: target.is_some(),
         ex: Some(ex),
-        open: false,
     };
-    Ok(forward(&plane, parts.uri.path(), raw, &mut ex)
-        .await
-        .unwrap_or_else(|resp| resp))
+    Ok(
+        forward(&plane, parts.uri.path(), raw, &mut ex, target, stream)
+            .await
+            .unwrap_or_else(|resp| resp),
+    )
 }
 
+/// The worker for the next attempt (its URL and the headers to send it), or none left.
 type Next = Option<(String, Vec<(String, String)>)>;
+
+enum Begun {
+    Internal,
+    Respond(Response<Body>),
+    Exchange(Py<PyAny>, Next, bool),
+}
+
+fn extract<T>(out: Result<Py<PyAny>, Response<Body>>) -> Result<T, Response<Body>>
+where
+    T: for<'py> pyo3::conversion::FromPyObjectOwned<'py>,
+{
+    let out = out?;
+    Python::attach(|py| {
+        out.bind(py)
+            .extract::<T>()
+            .map_err(|e| router_error(py, e.into()))
+    })
+}
 
 /// Tries workers as the exchange names them until one answers, then answers the client: whole
 /// (not streaming, or an error status), or as a stream fed by `pump`.
@@ -276,17 +298,20 @@ async fn forward(
     path: &str,
     raw: Bytes,
     ex: &mut Exchange,
+    mut target: Next,
+    stream: bool,
 ) -> Result<Response<Body>, Response<Body>> {
+    let mut first_attempt = true;
     loop {
-        let next = ex.call("next", ())?;
-        let next: Next = Python::attach(|py| next.extract(py).map_err(|e| router_error(py, e)))?;
-        let Some((url, headers)) = next else {
-            let refusal = ex.call("refusal", ())?;
-            let (status, body): (u16, Vec<u8>) =
-                Python::attach(|py| refusal.extract(py).map_err(|e| router_error(py, e)))?;
+        if !first_attempt {
+            target = extract(ex.call("next", ()))?;
+            ex.open = target.is_some();
+        }
+        first_attempt = false;
+        let Some((url, headers)) = target.take() else {
+            let (status, body): (u16, Vec<u8>) = extract(ex.call("refusal", ()))?;
             return Ok(json_response(status, body));
         };
-        ex.open = true;
         let mut req = Request::post(format!("{url}{path}"))
             .body(Full::new(raw.clone()))
             .map_err(|e| json_response(500, format!("{{\"error\":{e:?}}}").into_bytes()))?;
@@ -319,15 +344,12 @@ async fn forward(
                 .map(str::to_owned)
         };
         let (ctype, cenc) = (text(CONTENT_TYPE), text(CONTENT_ENCODING));
-        let head = ex.call("head", (status, cenc))?;
-        let (stream, mut out_headers): (bool, Vec<(String, String)>) =
-            Python::attach(|py| head.extract(py).map_err(|e| router_error(py, e)))?;
-        out_headers.push((
-            "content-type".into(),
+        let ctype = (
+            "content-type".to_owned(),
             ctype.unwrap_or_else(|| "application/json".into()),
-        ));
+        );
         let mut body = resp.into_body();
-        if !stream {
+        if !(stream && status == 200) {
             let mut data = Vec::new();
             let broke = loop {
                 match next_data(&mut body, plane.read_timeout).await {
@@ -340,9 +362,9 @@ async fn forward(
                 ex.failed(reason).await?;
                 continue;
             }
-            ex.call("first_token", (false,))?;
-            ex.call("end", ("ok", 0usize, 0.0f64))?;
+            let mut out_headers: Vec<(String, String)> = extract(ex.call("whole", (status, cenc)))?;
             ex.open = false;
+            out_headers.push(ctype);
             return Ok(respond(status, &out_headers, full(data)));
         }
         // Wait for the first bytes before answering: until then a failed worker can be retried.
@@ -354,11 +376,13 @@ async fn forward(
             }
         };
         let Some(first) = first else {
-            ex.call("end", ("ok", 0usize, 0.0f64))?;
+            let mut out_headers: Vec<(String, String)> = extract(ex.call("whole", (status, cenc)))?;
             ex.open = false;
+            out_headers.push(ctype);
             return Ok(respond(status, &out_headers, full(Bytes::new())));
         };
-        ex.call("first_token", (true,))?;
+        let mut out_headers: Vec<(String, String)> = extract(ex.call("streaming", (status, cenc)))?;
+        out_headers.push(ctype);
         let (tx, rx) = mpsc::channel::<Bytes>(64);
         let handed = ex.ex.take().expect("exchange present");
         ex.open = false;
@@ -504,6 +528,37 @@ async fn accept_loop(
     }
 }
 
+thread_local! {
+    static THREAD_STATE: std::cell::Cell<Option<pyo3::ffi::PyGILState_STATE>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Gives the thread a Python thread state for its whole life. Without one, every
+/// `Python::attach` would create a thread state and destroy it again (an allocation and a fresh
+/// mapping for its frame stack, each time): it now only takes and releases the GIL.
+fn keep_thread_state() {
+    // SAFETY: the interpreter is running (the data plane is started from Python). The state is
+    // taken with the GIL, then the GIL alone is released, leaving the thread state registered.
+    unsafe {
+        let state = pyo3::ffi::PyGILState_Ensure();
+        pyo3::ffi::PyEval_SaveThread();
+        THREAD_STATE.with(|s| s.set(Some(state)));
+    }
+}
+
+fn drop_thread_state() {
+    if let Some(state) = THREAD_STATE.with(|s| s.take()) {
+        // SAFETY: pairs with `keep_thread_state` on this thread: take the GIL back with the kept
+        // thread state, then release both. Skipped while the interpreter is finalizing.
+        unsafe {
+            if pyo3::ffi::Py_IsInitialized() != 0 {
+                pyo3::ffi::PyEval_RestoreThread(pyo3::ffi::PyGILState_GetThisThreadState());
+                pyo3::ffi::PyGILState_Release(state);
+            }
+        }
+    }
+}
+
 struct Running {
     runtime: tokio::runtime::Runtime,
     stop: watch::Sender<bool>,
@@ -572,6 +627,8 @@ impl PyDataPlane {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(self.threads)
             .thread_name("smetric-data-plane")
+            .on_thread_start(keep_thread_state)
+            .on_thread_stop(drop_thread_state)
             .enable_all()
             .build()?;
         let mut connector = HttpConnector::new();
