@@ -176,7 +176,8 @@ class Exchange:
                 r.decisions[(r.policy.name, decision.reason)] += 1
             self.tried.add(worker.url)
             self.worker, self.decision, self.hit = worker, decision, hit
-            self.uncached = r._dispatch(worker, self.view, hit)
+            self.uncached = uncached = self.view.prompt_tokens - hit
+            worker.dispatched(uncached)
             self.open, self.prefilled, self.status = True, False, 0
             self.attempt_t0 = time.perf_counter()
         if log.isEnabledFor(logging.DEBUG):
@@ -262,9 +263,7 @@ class Exchange:
             w = self.worker
             assert w is not None
             self.prefilled = True
-            w.queued_prefill_tokens -= self.uncached
-            w.prefill_since = time.monotonic()  # the next queued prefill starts now
-            w.running_decode_tokens += self.view.prompt_tokens
+            w.prefilled(self.uncached, self.view.prompt_tokens)
             now = time.perf_counter()
             r.ttft.observe(now - self.t0)
             observe = getattr(r.policy, "observe", None)
@@ -310,13 +309,10 @@ class Exchange:
         w, r = self.worker, self.router
         assert w is not None and self.decision is not None
         self.open = False
-        w.in_flight -= 1
+        w.finished(self.prefilled, self.uncached, self.view.prompt_tokens)
         e2e = time.perf_counter() - self.t0
         if self.prefilled:
-            w.running_decode_tokens -= self.view.prompt_tokens
             r.e2e.observe(e2e)
-        else:
-            w.queued_prefill_tokens -= self.uncached
         if log.isEnabledFor(logging.INFO):
             log.info(
                 "request rid=%s api=%s worker=%s policy=%s reason=%s prompt_tokens=%d "
@@ -804,15 +800,6 @@ class Router:
                 await resp.write_eof()
             return resp
 
-    def _dispatch(self, worker: Worker, view: RequestView, hit: int) -> int:
-        uncached = view.prompt_tokens - hit
-        if worker.queued_prefill_tokens <= 0:
-            worker.prefill_since = time.monotonic()
-        worker.in_flight += 1
-        worker.requests_total += 1
-        worker.queued_prefill_tokens += uncached
-        return uncached
-
     def _accepted(self, worker: Worker, view: RequestView, hit: int) -> None:
         """The worker took the request: count its hit, and predict its cache (it will hold the
         prompt once it has served it, and write it through to the global tier)."""
@@ -860,7 +847,8 @@ class Router:
         rest = stripped[1:].lstrip()
         body = b"{" + inject + (b"," if not rest.startswith(b"}") else b"") + rest
         hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
-        p_uncached = self._dispatch(prefill, view, hit)
+        p_uncached = view.prompt_tokens - hit
+        prefill.dispatched(p_uncached)
 
         async def run_prefill() -> bool:
             assert self.session is not None
@@ -884,8 +872,7 @@ class Router:
                 prefill.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
                 return False
             finally:
-                prefill.in_flight -= 1
-                prefill.queued_prefill_tokens -= p_uncached
+                prefill.finished(False, p_uncached, view.prompt_tokens)
 
         loop = asyncio.get_running_loop()
         prefill_task = loop.create_task(run_prefill())

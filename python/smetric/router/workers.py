@@ -82,6 +82,36 @@ class Worker:
         elif name in _ROTATION_FIELDS:
             Worker.rotation_changes += 1
 
+    # ---- the router's accounting (hot: each writes its fields at once, and drops the view) --
+
+    def dispatched(self, uncached_tokens: int) -> None:
+        """A request went to the worker, with this much prefill to do."""
+        d = self.__dict__
+        if d["queued_prefill_tokens"] <= 0:
+            d["prefill_since"] = time.monotonic()
+        d["in_flight"] += 1
+        d["requests_total"] += 1
+        d["queued_prefill_tokens"] += uncached_tokens
+        d["_view"] = None
+
+    def prefilled(self, uncached_tokens: int, prompt_tokens: int) -> None:
+        """A request's first token came: its prefill is done and it decodes."""
+        d = self.__dict__
+        d["queued_prefill_tokens"] -= uncached_tokens
+        d["prefill_since"] = time.monotonic()  # the next queued prefill starts now
+        d["running_decode_tokens"] += prompt_tokens
+        d["_view"] = None
+
+    def finished(self, prefilled: bool, uncached_tokens: int, prompt_tokens: int) -> None:
+        """A request left the worker, decoding (``prefilled``) or still queued for prefill."""
+        d = self.__dict__
+        d["in_flight"] -= 1
+        if prefilled:
+            d["running_decode_tokens"] -= prompt_tokens
+        else:
+            d["queued_prefill_tokens"] -= uncached_tokens
+        d["_view"] = None
+
     # ---- circuit breaker -----------------------------------------------------------------
 
     def circuit_open(self, now: float, timeout_s: float) -> bool:
@@ -105,7 +135,8 @@ class Worker:
             self.opened_at = time.monotonic()
 
     def record_success(self, success_threshold: int) -> None:
-        self.failures = 0
+        if self.failures:
+            self.failures = 0
         if self.opened_at is not None:
             self.half_open_successes += 1
             if self.half_open_successes >= success_threshold:

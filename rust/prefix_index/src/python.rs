@@ -6,12 +6,34 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
+use pyo3::marker::Ungil;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySlice, PyString};
 
 use crate::index::{IndexError, InstanceStats, PrefixIndex, GLOBAL_TIER};
 use crate::keys;
 use crate::request::{self, Api, Prompt};
+
+/// Work on fewer blocks than this keeps the GIL: releasing and taking it back costs more than
+/// the work, and with several threads calling in (the data plane) every release is a hand-over.
+/// Taking the index's lock while holding the GIL is safe: nothing done under that lock needs
+/// the GIL.
+const DETACH_MIN_BLOCKS: usize = 512;
+/// The same threshold for request bodies (bytes) keyed by `key_request_body`.
+const DETACH_MIN_BODY: usize = 32 << 10;
+
+fn maybe_detach<T: Ungil>(
+    py: Python<'_>,
+    work: usize,
+    min: usize,
+    f: impl Ungil + FnOnce() -> T,
+) -> T {
+    if work >= min {
+        py.detach(f)
+    } else {
+        f()
+    }
+}
 
 fn index_error(e: IndexError) -> PyErr {
     match e {
@@ -275,7 +297,7 @@ fn key_request_body(
     let text_block_bytes = positive("text_block_bytes", text_block_bytes)?;
     let token_block_tokens = positive("token_block_tokens", token_block_tokens)?;
     let raw = body.as_bytes();
-    Ok(body.py().detach(|| {
+    Ok(maybe_detach(body.py(), raw.len(), DETACH_MIN_BODY, || {
         let view = request::view_body(api, raw)?;
         let (keys, len, tokens) = match &view.prompt {
             Prompt::Text(text) => (keys::hash_text(text, text_block_bytes), text.len(), false),
@@ -432,8 +454,10 @@ impl PyPrefixIndex {
         keys: &Bound<'_, PyBlockKeys>,
     ) -> PyResult<u64> {
         let keys = &keys.get().keys;
-        py.detach(|| self.write().insert(instance, keys))
-            .map_err(index_error)
+        maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
+            self.write().insert(instance, keys)
+        })
+        .map_err(index_error)
     }
 
     fn remove(
@@ -455,7 +479,7 @@ impl PyPrefixIndex {
     #[pyo3(name = "match", signature = (keys, touch = true))]
     fn match_all(&self, py: Python<'_>, keys: &Bound<'_, PyBlockKeys>, touch: bool) -> PyMatch {
         let keys = &keys.get().keys;
-        let result = py.detach(|| {
+        let result = maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
             if touch {
                 self.write().match_all_touch(keys)
             } else {
@@ -478,7 +502,7 @@ impl PyPrefixIndex {
         touch: bool,
     ) -> PyResult<u32> {
         let keys = &keys.get().keys;
-        py.detach(|| {
+        maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
             if touch {
                 self.write().match_instance_touch(instance, keys)
             } else {
