@@ -501,6 +501,30 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request():
     assert busy == [False, False] and in_flight == [0, 0]
 
 
+def test_a_client_that_leaves_before_the_answer_begins_frees_the_worker():
+    async def test(bed: Bed):
+        body = {**GEN, "sampling_params": {"max_new_tokens": 3000}}  # not streamed: seconds
+        with pytest.raises(asyncio.TimeoutError):
+            await bed.post("/generate", body, timeout=aiohttp.ClientTimeout(total=0.3))
+        during = sum(w.in_flight for w in bed.router.workers.values())
+        await asyncio.sleep(0.3)
+        return (
+            during,
+            [w.engine.has_work() for w in bed.cluster.workers],
+            [
+                (w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens)
+                for w in bed.router.workers.values()
+            ],
+            bed.router.retries,
+            [w.errors_total for w in bed.router.workers.values()],
+        )
+
+    during, busy, accounts, retries, errors = run(test)
+    assert busy == [False, False] and accounts == [(0, 0, 0), (0, 0, 0)]
+    assert retries == 0 and errors == [0, 0]  # the client left: no worker's fault
+    assert during <= 1
+
+
 def test_health_checks_take_a_failing_worker_out_and_bring_it_back():
     async def test(bed: Bed):
         await fault(bed, 0, mode="fail")

@@ -4,10 +4,12 @@ and ask again."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
 
+from smetric import DataPlane, launch_router
 from smetric.cluster import WorkerView
 from smetric.request import view_request
 from smetric.router import Router, RouterConfig
@@ -104,3 +106,26 @@ def test_snapshot_pairs_each_worker_with_its_own_hit_as_workers_come_and_go():
         URLS[2]: 7,
         URLS[3]: 3,
     }
+
+
+# ---- the Rust data plane's own guards ----------------------------------------------------------
+
+
+def test_the_data_plane_refuses_bad_settings_and_a_taken_port(capsys):
+    with pytest.raises(ValueError, match="threads"):
+        DataPlane(object(), "http://127.0.0.1:1", 1024, 1.0, 1.0, 0)
+    with pytest.raises(ValueError, match="read_timeout_s"):
+        DataPlane(object(), "http://127.0.0.1:1", 1024, 0.0, 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        plane = DataPlane(object(), "http://127.0.0.1:1", 1024, 1.0, 1.0)
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port}"):
+            plane.start("127.0.0.1", port)
+        assert plane.port is None
+        # The command line says so in one line, and exits 1.
+        argv = ["--worker-urls", "http://127.0.0.1:1", "--port", str(port)]
+        argv += ["--disable-health-check", "--worker-startup-timeout-secs", "0"]
+        assert launch_router.main(argv) == 1
+        assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err

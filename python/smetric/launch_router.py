@@ -16,8 +16,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m smetric.launch_ro
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s", stream=sys.stderr
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(serve(config))
+    except OSError as e:  # the port is taken, or the host is not this machine's
+        print(f"{prog}: error: cannot serve on {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
