@@ -193,6 +193,18 @@ def test_online_correction_follows_observations_bounded_and_decaying():
     assert slo.correction("b") == 1.0
 
 
+def test_ttft_correction_is_a_median_so_chunk_top_ups_do_not_drag_it():
+    # Chunked prefill tops a request's last iteration up with prefill that arrives after it: its
+    # TTFT is as predicted, or about one chunk longer. With one request in three topped up, the
+    # correction stays at 1 (an average would settle near 1.33 and put the others off by 33%).
+    slo = SLOModel(PROFILE, clock=lambda: 0.0)
+    base = slo.predict_ttft_s("a", 0, 3000, 0)
+    for i in range(60):
+        observed = 2 * base if i % 3 == 0 else base
+        slo.observe_ttft("a", slo.predict_ttft_s("a", 0, 3000, 0), observed)
+    assert slo.correction("a") == pytest.approx(1.0)
+
+
 def test_tpot_correction_is_its_own_bounded_factor_and_leaves_ttft_alone():
     now = [0.0]
     slo = SLOModel(PROFILE, clock=lambda: now[0])

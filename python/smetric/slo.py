@@ -15,8 +15,13 @@ the hot path:
 * TPOT = one decode step of the instance's batch with this request added (batch and context).
 
 Each instance has a TTFT and a TPOT correction factor: the ratio of observed to predicted,
-averaged (EWMA, weight 0.2), bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life
-when nothing new is observed. The router observes TTFT at a response's first chunk and TPOT from
+bounded to [0.5, 2], and decaying back to 1 with a 60 s half-life when nothing new is observed.
+The TPOT factor is an average (EWMA, weight 0.2). The TTFT factor is the *median* of the last
+``TTFT_WINDOW`` ratios (each decaying the same way), because a TTFT's error is bimodal: chunked
+prefill fills a request's last iteration up to a whole chunk with prefill that arrives after it,
+so its TTFT is either as predicted or up to one chunk's time longer. An average chases the rarer
+mode and puts every other prediction off by part of a chunk; the median stays with the common
+one. The router observes TTFT at a response's first chunk and TPOT from
 a stream's events (the time from the first event to the last over the events between; one event
 per token, as SGLang streams by default).
 """
@@ -24,6 +29,7 @@ per token, as SGLang streams by default).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +39,8 @@ from smetric.perf import Profile
 CORRECTION_WEIGHT = 0.2
 CORRECTION_BOUNDS = (0.5, 2.0)
 CORRECTION_HALF_LIFE_S = 60.0
+TTFT_WINDOW = 15
+"""Ratios (observed / predicted) the TTFT correction takes the median of."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +55,13 @@ class SLOConfig:
 
 
 class _Correction:
-    __slots__ = ("at", "factor")
+    __slots__ = ("at", "factor", "ratios")
 
     def __init__(self) -> None:
         self.factor = 1.0
         self.at = 0.0
+        self.ratios: list[float] = []
+        """The median's window (TTFT only), decayed to ``at``."""
 
 
 class SLOModel:
@@ -140,8 +150,21 @@ class SLOModel:
         return 1.0 + (c.factor - 1.0) * decay
 
     def observe_ttft(self, url: str, predicted: float, observed: float) -> None:
-        """Updates an instance's TTFT correction from one response."""
-        self._observe(self._ttft, url, predicted, observed)
+        """Updates an instance's TTFT correction from one response: the median of its recent
+        ratios (see the module's docstring)."""
+        if predicted <= 0 or observed <= 0:
+            return
+        c = self._ttft.setdefault(url, _Correction())
+        now = self.clock()
+        # Every ratio decays towards 1 at the same pace, so decaying them all to now keeps their
+        # order, and the median of the decayed window is the decayed median.
+        decay: float = 0.5 ** ((now - c.at) / CORRECTION_HALF_LIFE_S)
+        ratios = [1.0 + (r - 1.0) * decay for r in c.ratios[-(TTFT_WINDOW - 1) :]]
+        ratios.append(self._factor(self._ttft, url) * observed / predicted)
+        c.ratios = ratios
+        lo, hi = CORRECTION_BOUNDS
+        c.factor = min(max(statistics.median(ratios), lo), hi)
+        c.at = now
 
     def observe_tpot(self, url: str, predicted: float, observed: float) -> None:
         """Updates an instance's TPOT correction from one streamed response."""
