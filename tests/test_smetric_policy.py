@@ -205,6 +205,38 @@ def test_ttft_correction_is_a_median_so_chunk_top_ups_do_not_drag_it():
     assert slo.correction("a") == pytest.approx(1.0)
 
 
+def test_ttft_correction_ignores_what_a_top_up_by_a_later_arrival_explains():
+    now = [0.0]
+    slo = SLOModel(PROFILE, clock=lambda: now[0])
+    pred = slo.predict_ttft_s("a", 0, 3000, 0)
+    chunk_s = PROFILE.prefill_time_s(8192)
+    band = 2 * PROFILE.model.active_params * 8192 / (PROFILE.gpu.bf16_flops * PROFILE.mfu)
+
+    def one(observed: float, other_arrives: bool) -> None:
+        slo.note_dispatch("a")  # this request
+        now[0] += observed / 2
+        if other_arrives:
+            slo.note_dispatch("a")  # another one while it waits: it may top its last chunk up
+        now[0] += observed / 2
+        slo.observe_ttft("a", slo.predict_ttft_s("a", 0, 3000, 0), observed)
+        now[0] += 0.01
+
+    late = pred + 0.15 * chunk_s
+    for _ in range(20):  # late by part of a chunk, with an arrival meanwhile: the model's story
+        one(late, True)
+    assert slo.correction("a") == 1.0
+    for _ in range(20):  # the same lateness alone is the model's error: it is corrected
+        one(late, False)
+    assert slo.correction("a") == pytest.approx(late / pred, rel=0.02)
+    slo = SLOModel(PROFILE, clock=lambda: now[0])
+    for _ in range(20):  # later than any top-up: measured against the prediction plus a chunk
+        one(1.2 * (pred + band), True)
+    assert slo.correction("a") == pytest.approx(1.2, rel=0.05)
+    for _ in range(20):  # early is the model's error, arrival or not
+        one(0.8 * pred, True)
+    assert slo.correction("a") == pytest.approx(0.8, rel=0.05)
+
+
 def test_tpot_correction_is_its_own_bounded_factor_and_leaves_ttft_alone():
     now = [0.0]
     slo = SLOModel(PROFILE, clock=lambda: now[0])

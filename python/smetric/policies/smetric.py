@@ -117,7 +117,9 @@ class SMetric:
 
     def select(self, req: RequestView, cluster: ClusterView) -> Decision:
         d = self._select(req, cluster)
-        self._remember(req, cluster.workers[d.worker].url)
+        url = cluster.workers[d.worker].url
+        self._remember(req, url)
+        self.slo.note_dispatch(url)
         return d
 
     def _select(self, req: RequestView, cluster: ClusterView) -> Decision:
