@@ -646,6 +646,30 @@ def test_queued_prefill_in_the_view_counts_what_the_worker_got_through_since_it_
     assert w.view(0, 100.1, 30_000.0).queued_prefill_tokens == 4_000
 
 
+def test_a_first_token_leaves_the_next_prefill_the_head_start_its_iteration_gave_it(monkeypatch):
+    from smetric.router import workers
+
+    def at(t: float) -> None:
+        monkeypatch.setattr(workers.time, "monotonic", lambda: t)
+
+    # 2,000 tokens, then 6,000: the first one's iteration (a chunk of 8,192 at 30,000 tokens/s)
+    # took 6,000 of the next one's too, so 0 are left, not 6,000.
+    w = workers.Worker("http://w", queued_prefill_tokens=8_000, prefill_since=100.0)
+    at(100.0 + 8_000 / 30_000)
+    w.prefilled(2_000, 2_000, 30_000.0, 8_192)
+    assert (w.queued_prefill_tokens, w.view(0, 100.0 + 8_000 / 30_000, 30_000.0)[2]) == (6_000, 0)
+    # Its own prefill took longer than the rate says (a long cached context): no head start.
+    w = workers.Worker("http://w", queued_prefill_tokens=8_000, prefill_since=100.0)
+    at(101.0)
+    w.prefilled(2_000, 2_000, 30_000.0, 8_192)
+    assert w.view(0, 101.0, 30_000.0).queued_prefill_tokens == 6_000
+    # Nothing queued behind it: nothing to start on.
+    w = workers.Worker("http://w", queued_prefill_tokens=2_000, prefill_since=100.0)
+    at(100.2)
+    w.prefilled(2_000, 2_000, 30_000.0, 8_192)
+    assert (w.queued_prefill_tokens, w.prefill_since, w.running_decode_tokens) == (0, 100.2, 2_000)
+
+
 def test_smetric_flags_parse_and_validate():
     c = parse_config(
         [

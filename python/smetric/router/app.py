@@ -263,7 +263,9 @@ class Exchange:
             w = self.worker
             assert w is not None
             self.prefilled = True
-            w.prefilled(self.uncached, self.view.prompt_tokens)
+            w.prefilled(
+                self.uncached, self.view.prompt_tokens, r._prefill_tokens_per_s, r._chunk_tokens
+            )
             now = time.perf_counter()
             r.ttft.observe(now - self.t0)
             observe = getattr(r.policy, "observe", None)
@@ -362,7 +364,7 @@ class Router:
         )
         # Prefill a worker gets through per second (model time, in whole chunks), to count the
         # part of its queue done since its current prefill began (see ``_snapshot``).
-        chunk = slo.chunk_tokens
+        chunk = self._chunk_tokens = slo.chunk_tokens
         self._prefill_tokens_per_s = chunk / load_profile(config.profile).prefill_time_s(chunk)
         self.workers: dict[str, Worker] = {}
         self._registry_changes = 0

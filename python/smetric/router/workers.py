@@ -94,11 +94,26 @@ class Worker:
         d["queued_prefill_tokens"] += uncached_tokens
         d["_view"] = None
 
-    def prefilled(self, uncached_tokens: int, prompt_tokens: int) -> None:
-        """A request's first token came: its prefill is done and it decodes."""
+    def prefilled(
+        self,
+        uncached_tokens: int,
+        prompt_tokens: int,
+        prefill_tokens_per_s: float = 0.0,
+        chunk_tokens: int = 0,
+    ) -> None:
+        """A request's first token came: its prefill is done and it decodes, and the next
+        queued prefill has begun. Chunked prefill filled the iteration that finished it up to a
+        chunk with the next ones in the queue, so what the worker got through since
+        ``prefill_since`` (at the given rate) beyond this request's tokens is a head start on
+        them. More than a chunk beyond says the progress estimate ran ahead of this request
+        instead (a long cached context makes its prefill slower than the rate): none then."""
         d = self.__dict__
-        d["queued_prefill_tokens"] -= uncached_tokens
-        d["prefill_since"] = time.monotonic()  # the next queued prefill starts now
+        now = time.monotonic()
+        queued = d["queued_prefill_tokens"] - uncached_tokens
+        d["queued_prefill_tokens"] = queued
+        rate = d["time_scale"] * prefill_tokens_per_s
+        ahead = (now - d["prefill_since"]) * rate - uncached_tokens if queued > 0 else 0.0
+        d["prefill_since"] = now - min(ahead, queued) / rate if 0 < ahead < chunk_tokens else now
         d["running_decode_tokens"] += prompt_tokens
         d["_view"] = None
 
