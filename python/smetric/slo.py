@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ from smetric.perf import Profile
 CORRECTION_WEIGHT = 0.2
 CORRECTION_BOUNDS = (0.5, 2.0)
 CORRECTION_HALF_LIFE_S = 60.0
+RATE_WINDOW = 16
+"""Dispatches per instance its arrival rate is measured over."""
 TTFT_WINDOW = 15
 """Ratios (observed / predicted) the TTFT correction takes the median of."""
 
@@ -88,7 +91,9 @@ class SLOModel:
         self._attention = 4.0 * m.layers * m.q_heads * m.head_dim  # FLOPs per token pair
         self._kv_bytes = profile.kv_bytes_per_token
         self._ttft: dict[str, _Correction] = {}
-        self._last_dispatch: dict[str, float] = {}
+        self._dispatches: dict[str, deque[float]] = {}
+        self._first_token_at: dict[str, float] = {}
+        self._chunk_s = profile.prefill_time_s(config.chunk_tokens)
         self._tpot: dict[str, _Correction] = {}
 
     # ---- SLOs ----------------------------------------------------------------------------
@@ -132,14 +137,54 @@ class SLOModel:
         prompt_tokens: int,
         local_tokens: int,
         global_tokens: int = 0,
+        top_up: bool = False,
     ) -> float:
         """TTFT of a request with ``local_tokens`` cached on the instance and ``global_tokens``
-        more loadable from the global tier (ignored without one)."""
+        more loadable from the global tier (ignored without one). With ``top_up``, and a first
+        token from the instance seen (``observe_ttft``), on the engine's iteration boundaries
+        and with chunked prefill's likelier top-up (``_aligned_s``)."""
         loaded = global_tokens if self.config.global_tier else 0
         cached = min(local_tokens + loaded, max(prompt_tokens - 1, 0))
         uncached = prompt_tokens - cached
-        t = self._prefill_s(queued_prefill_tokens, uncached, cached)
+        if top_up and queued_prefill_tokens > 0 and url in self._first_token_at:
+            t = self._aligned_s(url, queued_prefill_tokens, uncached, cached)
+        else:
+            t = self._prefill_s(queued_prefill_tokens, uncached, cached)
         return (t + self.global_load_s(cached - local_tokens)) * self._factor(self._ttft, url)
+
+    def _aligned_s(self, url: str, queued: int, uncached: int, cached: int) -> float:
+        """Prefill time of a request behind ``queued`` tokens on the engine's own iteration
+        boundaries, with its last iteration topped up in the likelier case.
+
+        The last first token from the instance marks an iteration boundary. The router's queued
+        count is what is left after it got through the profile's chunk rate since then, so the
+        queue at that boundary is ``queued`` plus that; from there the engine runs back-to-back
+        iterations of a chunk each, so the one now running ends at the next multiple of a
+        chunk's time, and this request starts after it. Its last iteration is filled up to a
+        chunk by whatever arrives before it begins: likelier than not (Poisson at the instance's
+        recent arrival rate) -> counted as a whole chunk, else as its own tail."""
+        c, chunk_s = self.config.chunk_tokens, self._chunk_s
+        now = self.clock()
+        since = max(now - self._first_token_at[url], 0.0)
+        at_boundary = queued + since * c / chunk_s
+        k = math.floor(since / chunk_s)
+        if at_boundary > (k + 1) * c:  # the iteration now running is a whole chunk
+            ahead = int(at_boundary - (k + 1) * c)
+            rest = (k + 1) * chunk_s - since
+        else:  # the one now running is the queue's last, partial, one
+            ahead = 0
+            rest = max(k * chunk_s + self._prefill_s(int(at_boundary) - k * c, 0, 0) - since, 0.0)
+        t = rest + self._prefill_s(ahead, uncached, cached)
+        total = ahead + uncached
+        tail = total % c or c
+        if tail < c:
+            wait = rest + (self._prefill_s(total - tail, 0, 0) if total > tail else 0.0)
+            if self.arrival_rate(url) * wait > math.log(2.0):
+                extra = c - tail
+                t += (self._linear * extra + self._attention * extra * (extra + 1) / 2.0) / (
+                    self._flops_per_s
+                )
+        return t
 
     def predict_tpot_s(
         self, url: str, decode_batch: int, decode_context_tokens: int, prompt_tokens: int
@@ -159,9 +204,21 @@ class SLOModel:
         return 1.0 + (c.factor - 1.0) * decay
 
     def note_dispatch(self, url: str) -> None:
-        """A request was sent to the instance (the TTFT correction asks whether another came
-        while one waited)."""
-        self._last_dispatch[url] = self.clock()
+        """A request was sent to the instance (for its arrival rate, and for the TTFT
+        correction, which asks whether another came while one waited)."""
+        times = self._dispatches.get(url)
+        if times is None:
+            times = self._dispatches[url] = deque(maxlen=RATE_WINDOW)
+        times.append(self.clock())
+
+    def arrival_rate(self, url: str) -> float:
+        """Requests per second sent to the instance lately: the last ``RATE_WINDOW`` dispatches
+        over the time from the first of them to now (so a pause lowers it)."""
+        times = self._dispatches.get(url)
+        if not times or len(times) < 2:
+            return 0.0
+        span = self.clock() - times[0]
+        return (len(times) - 1) / span if span > 0 else 0.0
 
     def observe_ttft(self, url: str, predicted: float, observed: float) -> None:
         """Updates an instance's TTFT correction from one response: the median of its recent
@@ -171,7 +228,9 @@ class SLOModel:
         c = self._ttft.setdefault(url, _Correction())
         now = self.clock()
         current = self._factor(self._ttft, url)
-        if self._last_dispatch.get(url, -math.inf) > now - observed:
+        self._first_token_at[url] = now
+        times = self._dispatches.get(url)
+        if times and times[-1] > now - observed:
             # Another request reached the instance while this one waited, so its last prefill
             # iteration may have been topped up with up to a chunk: an observation up to that
             # much above the prediction agrees with the model and teaches nothing.

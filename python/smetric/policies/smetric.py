@@ -180,7 +180,9 @@ class SMetric:
         w, prompt = cluster.workers[i], req.prompt_tokens
         local = cluster.local_hit_tokens(i, prompt)
         glob = max(int(cluster.global_hit_blocks * cluster.block_tokens) - local, 0)
-        ttft = self.slo.predict_ttft_s(w.url, w.queued_prefill_tokens, prompt, local, glob)
+        ttft = self.slo.predict_ttft_s(
+            w.url, w.queued_prefill_tokens, prompt, local, glob, top_up=True
+        )
         tpot = self.slo.predict_tpot_s(w.url, w.in_flight, w.running_decode_tokens, prompt)
         return ttft, tpot
 
