@@ -162,7 +162,9 @@ class SLOModel:
         iterations of a chunk each, so the one now running ends at the next multiple of a
         chunk's time, and this request starts after it. Its last iteration is filled up to a
         chunk by whatever arrives before it begins: likelier than not (Poisson at the instance's
-        recent arrival rate) -> counted as a whole chunk, else as its own tail."""
+        recent arrival rate) -> counted as a whole chunk, else as its own tail. Times since the
+        first token are on this model's clock and the chunk's time is the worker's: an emulated
+        worker running faster than real time puts the boundaries off (the router's tests)."""
         c, chunk_s = self.config.chunk_tokens, self._chunk_s
         now = self.clock()
         since = max(now - self._first_token_at[url], 0.0)
