@@ -9,6 +9,7 @@ mock workers (``benches/mock_worker.py``), then each router in turn in front of 
 added latency over calling a worker directly (p50, 1 KB to 512 KB prompts), time to the first
 streamed chunk, throughput at concurrency 64 with ``wrk`` (1 KB prompts, streaming and not) with
 the router's CPU time per request, and the router's memory after many distinct 16 KB prompts.
+smetric runs twice: with its Rust data plane (the default) and with ``--data-plane aiohttp``.
 Prints a markdown table and writes JSON next to it (``.bench/router_vs_sglang.json``).
 """
 
@@ -175,7 +176,7 @@ def measure(name: str, url: str, pid: int, direct: str, quick: bool) -> dict[str
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["smetric", "sglang-router"], default=None)
+    ap.add_argument("--only", choices=["smetric", "smetric-aiohttp", "sglang-router"], default=None)
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("needs wrk (apt-get install wrk)")
@@ -199,9 +200,17 @@ def main() -> None:
                 "sglang_router.launch_router",
             ],
             "smetric": [sys.executable, "-m", "smetric.launch_router"],
+            # The same router with its former, all-Python data plane: the gain of the Rust one.
+            "smetric-aiohttp": [
+                sys.executable,
+                "-m",
+                "smetric.launch_router",
+                "--data-plane",
+                "aiohttp",
+            ],
         }
         for name, cmd in routers.items():
-            if args.only and not name.startswith(args.only):
+            if args.only and name.split(" ")[0] != args.only:
                 continue
             port = free_port()
             extra = ["--prometheus-port", str(free_port())] if "sglang" in name else []

@@ -23,10 +23,12 @@ so its TTFT is either as predicted or up to one chunk's compute time longer. An 
 the rarer mode and puts every other prediction off by part of a chunk. And an observation that
 such a top-up explains (another request was sent to the instance while this one waited, and
 this one came no more than a chunk's compute time late) teaches nothing, so it is not counted;
-one later than that is measured against the prediction plus that chunk. Predictions themselves
-leave top-ups out: whether one comes depends on arrivals the router cannot see yet and on where
-the engine's iteration boundaries fall, which it does not know (predicting the likelier outcome
-from the instance's recent arrival rate took the simulator's median error from 5.5% to 9.8%).
+one later than that is measured against the prediction plus that chunk. Whether a top-up comes
+depends on arrivals the router cannot see yet and on where the engine's iteration boundaries
+fall. Without those boundaries, predictions leave top-ups out (guessing the likelier outcome
+from the recent arrival rate alone took the simulator's median error from 5.5% to 9.8%). Once an
+instance has streamed a first token, which marks a boundary, SMetric's predictions for it follow
+its iterations from there and count the likelier top-up (``predict_ttft_s(top_up=True)``).
 Whether another request came meanwhile is judged on this model's clock, the TTFT being in the
 worker's time: for an emulated worker faster than real time the look-back is too long, and more
 observations count as possibly topped up. The router observes TTFT at a response's first chunk
