@@ -185,7 +185,7 @@ class DataPlane:
         max_payload_size: int,
         read_timeout_s: float,
         connect_timeout_s: float,
-        threads: int = 2,
+        threads: int = 1,
     ) -> None: ...
     def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: a free port) and returns the port; OSError if it cannot."""

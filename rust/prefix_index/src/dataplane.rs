@@ -591,7 +591,7 @@ fn seconds(name: &str, value: f64) -> PyResult<Duration> {
 #[pymethods]
 impl PyDataPlane {
     #[new]
-    #[pyo3(signature = (router, internal_url, max_payload_size, read_timeout_s, connect_timeout_s, threads=2))]
+    #[pyo3(signature = (router, internal_url, max_payload_size, read_timeout_s, connect_timeout_s, threads=1))]
     fn new(
         router: Py<PyAny>,
         internal_url: String,
