@@ -665,19 +665,17 @@ class Router:
             try:
                 view = view_request(api, loads(raw), headers)
             except (ValueError, UnicodeDecodeError, RecursionError):
-                message = "request body is not valid JSON"
+                return self._bad_request(api, "request body is not valid JSON")
             except BadRequest as e:
-                message = str(e)
-            else:
-                with self.lock:
-                    self.prompt_tokens += view.prompt_tokens
-                return view
-            with self.lock:
-                self.requests[(api, 400)] += 1
-            return error_body(400, message)
+                return self._bad_request(api, str(e))
         with self.lock:
             self.prompt_tokens += view.prompt_tokens
         return view
+
+    def _bad_request(self, api: str, message: str) -> bytes:
+        with self.lock:
+            self.requests[(api, 400)] += 1
+        return error_body(400, message)
 
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
         """The aiohttp data plane (``--data-plane aiohttp``, and PD mode)."""
