@@ -155,7 +155,9 @@ class Exchange:
         self.open = self.prefilled = False
         self.attempt_t0 = 0.0
 
-    def next(self) -> tuple[str, list[tuple[str, str]]] | None:
+    def next(self) -> tuple[str, list[tuple[str, str]], list[tuple[str, str]]] | None:
+        """The next attempt: the worker's URL, the headers to send it, and the headers for the
+        client (the data plane adds the content type and encoding the worker answers with)."""
         r = self.router
         with r.lock:
             if self.pinned is not None:
@@ -189,7 +191,11 @@ class Exchange:
                 hit,
                 self.attempts,
             )
-        return worker.url, self.upstream_headers
+        headers = [("X-Request-ID", self.rid)]
+        if r.config.decision_header:
+            headers.append(("X-SMetric-Worker", worker.url))
+            headers.append(("X-SMetric-Reason", decision.reason))
+        return worker.url, self.upstream_headers, headers
 
     def refusal(self) -> tuple[int, bytes]:
         """The answer when no attempt is left: 503, with the last failure."""
@@ -219,39 +225,35 @@ class Exchange:
         self.backoff *= c.retry_backoff_multiplier
         return delay
 
-    def head(self, status: int, content_encoding: str | None) -> tuple[bool, list[tuple[str, str]]]:
-        """The worker's answer began: whether to stream it, and the headers for the client
-        (the content type is the data plane's to pass on)."""
+    def answered(self, status: int) -> None:
+        """The worker answered with ``status`` (below 500): with 200 it took the request, so
+        count its hit and predict its cache (``Router._accepted``)."""
         r = self.router
-        assert self.worker is not None and self.decision is not None
+        assert self.worker is not None
         with r.lock:
+            if not self.open:
+                return
             self.status = status
             if status == 200:
                 r._accepted(self.worker, self.view, self.hit)
-        headers = [("X-Request-ID", self.rid)]
-        if r.config.decision_header:
-            headers.append(("X-SMetric-Worker", self.worker.url))
-            headers.append(("X-SMetric-Reason", self.decision.reason))
-        if content_encoding:
-            headers.append(("Content-Encoding", content_encoding))
-        return self.view.stream and status == 200, headers
 
     @property
     def stream(self) -> bool:
+        """Whether the client asked for a stream (a worker's error answer comes whole)."""
         return self.view.stream
 
-    def whole(self, status: int, content_encoding: str | None) -> list[tuple[str, str]]:
-        """A whole answer arrived (not streamed): ``head``, ``first_token`` and ``end("ok")``."""
-        _, headers = self.head(status, content_encoding)
+    def whole(self, status: int) -> None:
+        """A whole answer (not streamed) reached the client: ``answered``, ``first_token`` and
+        ``end("ok")`` at once. The Rust data plane calls it once the answer is sent, so the
+        index's work is off the request's path."""
+        self.answered(status)
         self.first_token(False)
         self.end("ok")
-        return headers
 
-    def streaming(self, status: int, content_encoding: str | None) -> list[tuple[str, str]]:
-        """A stream's first chunk arrived: ``head`` and ``first_token``."""
-        _, headers = self.head(status, content_encoding)
+    def streaming(self, status: int) -> None:
+        """A stream's first chunk reached the client: ``answered`` and ``first_token``."""
+        self.answered(status)
         self.first_token(True)
-        return headers
 
     def first_token(self, streamed: bool) -> None:
         """The first bytes of the answer: the prefill is done. A streamed first chunk is the
@@ -744,6 +746,7 @@ class Router:
         ex: Exchange,
         url: str,
         headers: list[tuple[str, str]],
+        out_headers: list[tuple[str, str]],
     ) -> web.StreamResponse:
         assert self.session is not None
         sent = False
@@ -757,16 +760,17 @@ class Router:
             ) as up:
                 if up.status >= 500:
                     raise Retry(f"worker answered {up.status}")
-                stream, out_headers = ex.head(up.status, up.headers.get("Content-Encoding"))
+                reply = dict(out_headers)
+                if "Content-Encoding" in up.headers:
+                    reply["Content-Encoding"] = up.headers["Content-Encoding"]
                 ctype = up.headers.get("Content-Type", "application/json").split(";")[0]
-                if not stream:
+                if not (ex.stream and up.status == 200):
                     data = await up.read()
-                    ex.first_token(False)
-                    ex.end("ok")
+                    ex.whole(up.status)
                     return web.Response(
-                        body=data, status=up.status, headers=dict(out_headers), content_type=ctype
+                        body=data, status=up.status, headers=reply, content_type=ctype
                     )
-                resp = web.StreamResponse(status=up.status, headers=dict(out_headers))
+                resp = web.StreamResponse(status=up.status, headers=reply)
                 resp.content_type = ctype
                 # SSE events seen and when the first and last came, for the TPOT correction.
                 events, t_first, t_last = 0, 0.0, 0.0
@@ -774,6 +778,7 @@ class Router:
                     if not sent:
                         await _downstream(resp.prepare(request))
                         sent = True
+                        ex.answered(up.status)
                     ex.first_token(True)
                     n = chunk.count(b"data: {")
                     if n:
@@ -784,6 +789,7 @@ class Router:
                     await _downstream(resp.write(chunk))
                 if not sent:
                     await _downstream(resp.prepare(request))
+                    ex.answered(up.status)
                 ex.end("ok", events, t_last - t_first)
                 await _downstream(resp.write_eof())
                 return resp

@@ -270,8 +270,11 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     )
 }
 
-/// The worker for the next attempt (its URL and the headers to send it), or none left.
-type Next = Option<(String, Vec<(String, String)>)>;
+/// Header names and values.
+type Headers = Vec<(String, String)>;
+/// The worker for the next attempt (its URL, the headers to send it, and the headers for the
+/// client), or none left.
+type Next = Option<(String, Headers, Headers)>;
 
 enum Begun {
     Internal,
@@ -308,7 +311,7 @@ async fn forward(
             ex.open = target.is_some();
         }
         first_attempt = false;
-        let Some((url, headers)) = target.take() else {
+        let Some((url, headers, mut out_headers)) = target.take() else {
             let (status, body): (u16, Vec<u8>) = extract(ex.call("refusal", ()))?;
             return Ok(json_response(status, body));
         };
@@ -343,11 +346,13 @@ async fn forward(
                 .and_then(|v: &HeaderValue| v.to_str().ok())
                 .map(str::to_owned)
         };
-        let (ctype, cenc) = (text(CONTENT_TYPE), text(CONTENT_ENCODING));
-        let ctype = (
+        out_headers.push((
             "content-type".to_owned(),
-            ctype.unwrap_or_else(|| "application/json".into()),
-        );
+            text(CONTENT_TYPE).unwrap_or_else(|| "application/json".into()),
+        ));
+        if let Some(cenc) = text(CONTENT_ENCODING) {
+            out_headers.push(("content-encoding".to_owned(), cenc));
+        }
         let mut body = resp.into_body();
         if !(stream && status == 200) {
             let mut data = Vec::new();
@@ -362,9 +367,18 @@ async fn forward(
                 ex.failed(reason).await?;
                 continue;
             }
-            let mut out_headers: Vec<(String, String)> = extract(ex.call("whole", (status, cenc)))?;
+            // The accounting (and the index's insert, the longer the prompt the longer) runs
+            // once the answer is on its way: hyper writes it when this future returns, before
+            // the spawned task gets the thread.
+            let handed = ex.ex.take().expect("exchange present");
             ex.open = false;
-            out_headers.push(ctype);
+            tokio::spawn(async move {
+                Python::attach(|py| {
+                    if let Err(e) = handed.bind(py).call_method1("whole", (status,)) {
+                        e.print(py);
+                    }
+                })
+            });
             return Ok(respond(status, &out_headers, full(data)));
         }
         // Wait for the first bytes before answering: until then a failed worker can be retried.
@@ -375,18 +389,20 @@ async fn forward(
                 continue;
             }
         };
-        let Some(first) = first else {
-            let mut out_headers: Vec<(String, String)> = extract(ex.call("whole", (status, cenc)))?;
-            ex.open = false;
-            out_headers.push(ctype);
-            return Ok(respond(status, &out_headers, full(Bytes::new())));
-        };
-        let mut out_headers: Vec<(String, String)> = extract(ex.call("streaming", (status, cenc)))?;
-        out_headers.push(ctype);
-        let (tx, rx) = mpsc::channel::<Bytes>(64);
         let handed = ex.ex.take().expect("exchange present");
         ex.open = false;
-        tokio::spawn(pump(plane.clone(), handed, body, first, tx));
+        let Some(first) = first else {
+            tokio::spawn(async move {
+                Python::attach(|py| {
+                    if let Err(e) = handed.bind(py).call_method1("whole", (status,)) {
+                        e.print(py);
+                    }
+                })
+            });
+            return Ok(respond(status, &out_headers, full(Bytes::new())));
+        };
+        let (tx, rx) = mpsc::channel::<Bytes>(64);
+        tokio::spawn(pump(plane.clone(), handed, status, body, first, tx));
         return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
     }
 }
@@ -396,6 +412,7 @@ async fn forward(
 async fn pump(
     plane: Arc<Plane>,
     ex: Py<PyAny>,
+    status: u16,
     mut body: Incoming,
     first: Bytes,
     tx: mpsc::Sender<Bytes>,
@@ -414,7 +431,15 @@ async fn pump(
     };
     count(&first);
     let mut outcome = String::from("ok");
-    if tx.send(first).await.is_err() {
+    let sent = tx.send(first).await.is_ok();
+    // Let hyper write the first chunk, then book it (TTFT, the index's insert).
+    tokio::task::yield_now().await;
+    Python::attach(|py| {
+        if let Err(e) = ex.bind(py).call_method1("streaming", (status,)) {
+            e.print(py);
+        }
+    });
+    if !sent {
         outcome = "client_gone".into();
     } else {
         loop {
