@@ -237,3 +237,23 @@ def test_simulator_rejects_duplicate_ids_and_unknown_predecessors():
         simulate([req("a", 100, 1), req("a", 100, 1)], round_robin(), PROFILE, 1)
     with pytest.raises(ValueError, match="unknown request"):
         simulate([req("a", 100, 1), req("b", 100, 1, after="typo")], round_robin(), PROFILE, 1)
+
+
+def test_queued_prefill_counts_a_waiting_requests_uncached_tokens_not_its_cached_prefix():
+    # What a policy sees as queued prefill is the work still to compute (WorkerView's contract,
+    # and what the router counts): a waiting follow-up whose prefix the worker holds adds only
+    # its new tokens, one whose prefix the global tier holds adds only what the tier lacks.
+    from smetric.engine import Cluster, Engine
+
+    cluster = Cluster(TIER)
+    w0, w1 = (Engine(n, PROFILE, cluster, EngineConfig(kv_pool_tokens=100_000)) for n in "ab")
+    w0.add_request(ereq("first", 8000, 1))
+    drain(w0)  # "first" is now cached on w0 and written through to the tier
+    w0.add_request(ereq("running", 4000, 50, first_id=10_000))
+    w0.next_batch(0.0)  # admitted: 4000 tokens in prefill
+    w0.add_request(ereq("follow-up", 8800, 5))  # 8000 cached + 800 new
+    w0.add_request(ereq("new", 1600, 5, first_id=20_000))
+    assert w0.load().waiting == 2
+    assert w0.load().queued_prefill_tokens == 4000 + 800 + 1600
+    w1.add_request(ereq("elsewhere", 8800, 5))  # its 8000 cached tokens load from the tier
+    assert w1.load().queued_prefill_tokens == 800

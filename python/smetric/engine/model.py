@@ -90,6 +90,9 @@ class EngineRequest:
     worker: str = ""
     reserved_tokens: int = 0
     locked_tokens: int = 0
+    queued_tokens: int = 0
+    """While it waits: the prompt tokens it will compute, judged when it arrived from what the
+    local cache and the global tier held then (``load()``'s queued prefill counts this)."""
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
@@ -225,6 +228,7 @@ class Engine:
         self.check(req)
         req.worker = self.name
         req.phase = Phase.WAITING
+        req.queued_tokens = req.prompt_tokens - self._cached_tokens(req)
         self.waiting.append(req)
         self.requests_total += 1
 
@@ -234,14 +238,18 @@ class Engine:
         self.check(req)
         req.phase = Phase.TRANSFER
         req.generated_tokens = 0
+        req.queued_tokens = req.prompt_tokens  # what the decode-side least-loaded rule weighs
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
 
     def load(self) -> WorkerLoad:
+        """``queued_prefill_tokens``: the prompt tokens still to compute, of the requests in
+        prefill and of those waiting (not their cached prefix: the router counts a request's
+        uncached tokens, and so must what a policy sees in the simulator)."""
         queued = sum(r.prompt_tokens - r.prefilled_tokens for r in self.prefilling)
-        queued += sum(r.prompt_tokens for r in self.waiting)
+        queued += sum(r.queued_tokens for r in self.waiting)
         return WorkerLoad(
             running=len(self.running) + len(self.prefilling),
             waiting=len(self.waiting),
@@ -286,6 +294,15 @@ class Engine:
         blocks = self.cluster.index.match_instance(self.name, req.keys, touch=touch)
         # SGLang always computes the last prompt token, to sample the first output token.
         return min(int(blocks * req.block_tokens), req.prompt_tokens - 1)
+
+    def _cached_tokens(self, req: EngineRequest) -> int:
+        """Prompt tokens the request would not compute if admitted now: its local hit, then
+        what the global tier holds beyond it."""
+        cached = self._local_tokens(req, touch=False)
+        if self.cluster.global_tier is not None:
+            tier = self.cluster.index.match(req.keys, touch=False).global_blocks
+            cached = max(cached, min(int(tier * req.block_tokens), req.prompt_tokens - 1))
+        return max(cached, 0)
 
     def _kv_need(self, req: EngineRequest, local_tokens: int) -> int:
         """Pool tokens a request takes beyond the cached prefix it shares."""
