@@ -372,13 +372,7 @@ async fn forward(
             // the spawned task gets the thread.
             let handed = ex.ex.take().expect("exchange present");
             ex.open = false;
-            tokio::spawn(async move {
-                Python::attach(|py| {
-                    if let Err(e) = handed.bind(py).call_method1("whole", (status,)) {
-                        e.print(py);
-                    }
-                })
-            });
+            book(Arc::new(handed), "whole", status, raw.len());
             return Ok(respond(status, &out_headers, full(data)));
         }
         // Wait for the first bytes before answering: until then a failed worker can be retried.
@@ -392,18 +386,41 @@ async fn forward(
         let handed = ex.ex.take().expect("exchange present");
         ex.open = false;
         let Some(first) = first else {
-            tokio::spawn(async move {
-                Python::attach(|py| {
-                    if let Err(e) = handed.bind(py).call_method1("whole", (status,)) {
-                        e.print(py);
-                    }
-                })
-            });
+            book(Arc::new(handed), "whole", status, raw.len());
             return Ok(respond(status, &out_headers, full(Bytes::new())));
         };
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        tokio::spawn(pump(plane.clone(), handed, status, body, first, tx));
+        let handed = Arc::new(handed);
+        let booked = book(handed.clone(), "streaming", status, raw.len());
+        tokio::spawn(pump(plane.clone(), handed, booked, body, first, tx));
         return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
+    }
+}
+
+/// Prompts from this size (bytes) have their answer booked on a blocking thread: the index's
+/// insert then runs beside the next requests (it releases the GIL for large prompts) instead
+/// of holding up the data plane's thread.
+const BOOK_ASIDE_BYTES: usize = 64 << 10;
+
+/// Calls `ex.<step>(status)` once the answer is on its way: a task spawned now runs after the
+/// current one has handed its response to hyper.
+fn book(
+    ex: Arc<Py<PyAny>>,
+    step: &'static str,
+    status: u16,
+    body_len: usize,
+) -> tokio::task::JoinHandle<()> {
+    let call = move || {
+        Python::attach(|py| {
+            if let Err(e) = ex.bind(py).call_method1(step, (status,)) {
+                e.print(py);
+            }
+        })
+    };
+    if body_len >= BOOK_ASIDE_BYTES {
+        tokio::task::spawn_blocking(call)
+    } else {
+        tokio::spawn(async move { call() })
     }
 }
 
@@ -411,8 +428,8 @@ async fn forward(
 /// correction, and ends the exchange with how it went.
 async fn pump(
     plane: Arc<Plane>,
-    ex: Py<PyAny>,
-    status: u16,
+    ex: Arc<Py<PyAny>>,
+    booked: tokio::task::JoinHandle<()>,
     mut body: Incoming,
     first: Bytes,
     tx: mpsc::Sender<Bytes>,
@@ -432,13 +449,8 @@ async fn pump(
     count(&first);
     let mut outcome = String::from("ok");
     let sent = tx.send(first).await.is_ok();
-    // Let hyper write the first chunk, then book it (TTFT, the index's insert).
-    tokio::task::yield_now().await;
-    Python::attach(|py| {
-        if let Err(e) = ex.bind(py).call_method1("streaming", (status,)) {
-            e.print(py);
-        }
-    });
+    // The first chunk is booked (`book`) while it is written; its end must come after.
+    let _ = booked.await;
     if !sent {
         outcome = "client_gone".into();
     } else {
