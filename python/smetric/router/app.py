@@ -92,11 +92,13 @@ class Exchange:
     attempt, and what the client is told. Two data planes drive it through the same steps, the
     aiohttp one (``Router._drive``) and the Rust one (``dataplane.rs``):
 
-    ``next()`` names the worker of the next attempt and the headers to send it (None: no worker
-    or attempt left, answer ``refusal()``). The attempt then ends in ``failed(reason)`` if
-    nothing reached the client (it returns the backoff before the next attempt, None when they
-    are spent), or goes ``head(...)``, ``first_token(...)`` and ``end(outcome, ...)``. ``end``
-    is safe to call again, so a data plane that loses its client can always call it.
+    ``next()`` names the worker of the next attempt, the headers to send it and those for the
+    client (None: no worker or attempt left, answer ``refusal()``). The attempt then ends in
+    ``failed(reason)`` if nothing reached the client (it returns the backoff before the next
+    attempt, None when they are spent), or goes ``whole(status)`` (``answered``,
+    ``first_token`` and ``end``), or ``streaming(status)`` at a stream's first chunk and
+    ``end(outcome, ...)`` at its end; then ``record()`` teaches the index the prompt. ``end`` is
+    safe to call again, so a data plane that loses its client can always call it.
 
     Every step holds the router's lock: the Rust data plane calls from its own threads.
     """
@@ -227,15 +229,22 @@ class Exchange:
 
     def answered(self, status: int) -> None:
         """The worker answered with ``status`` (below 500): with 200 it took the request, so
-        count its hit and predict its cache (``Router._accepted``)."""
+        its hit counts (and ``record`` predicts its cache)."""
         r = self.router
-        assert self.worker is not None
         with r.lock:
             if not self.open:
                 return
             self.status = status
             if status == 200:
-                r._accepted(self.worker, self.view, self.hit)
+                r.prefix_hit_tokens += self.hit
+
+    def record(self) -> None:
+        """After a 200: the worker will hold the prompt once it has served it, and write it
+        through to the global tier; the index learns so (``Router._predict_cache``). Apart
+        from the rest because it is the one step whose cost grows with the prompt: the Rust data
+        plane runs it once the answer is on its way."""
+        if self.status == 200 and self.worker is not None:
+            self.router._predict_cache(self.worker, self.view)
 
     @property
     def stream(self) -> bool:
@@ -243,15 +252,14 @@ class Exchange:
         return self.view.stream
 
     def whole(self, status: int) -> None:
-        """A whole answer (not streamed) reached the client: ``answered``, ``first_token`` and
-        ``end("ok")`` at once. The Rust data plane calls it once the answer is sent, so the
-        index's work is off the request's path."""
+        """A whole answer (not streamed) arrived: ``answered``, ``first_token`` and
+        ``end("ok")`` at once."""
         self.answered(status)
         self.first_token(False)
         self.end("ok")
 
     def streaming(self, status: int) -> None:
-        """A stream's first chunk reached the client: ``answered`` and ``first_token``."""
+        """A stream's first chunk arrived: ``answered`` and ``first_token``."""
         self.answered(status)
         self.first_token(True)
 
@@ -767,6 +775,7 @@ class Router:
                 if not (ex.stream and up.status == 200):
                     data = await up.read()
                     ex.whole(up.status)
+                    ex.record()
                     return web.Response(
                         body=data, status=up.status, headers=reply, content_type=ctype
                     )
@@ -778,8 +787,8 @@ class Router:
                     if not sent:
                         await _downstream(resp.prepare(request))
                         sent = True
-                        ex.answered(up.status)
-                    ex.first_token(True)
+                        ex.streaming(up.status)
+                        ex.record()
                     n = chunk.count(b"data: {")
                     if n:
                         t_last = time.perf_counter()
@@ -789,7 +798,8 @@ class Router:
                     await _downstream(resp.write(chunk))
                 if not sent:
                     await _downstream(resp.prepare(request))
-                    ex.answered(up.status)
+                    ex.whole(up.status)
+                    ex.record()
                 ex.end("ok", events, t_last - t_first)
                 await _downstream(resp.write_eof())
                 return resp
@@ -806,11 +816,10 @@ class Router:
                 await resp.write_eof()
             return resp
 
-    def _accepted(self, worker: Worker, view: RequestView, hit: int) -> None:
-        """The worker took the request: count its hit, and predict its cache (it will hold the
-        prompt once it has served it, and write it through to the global tier)."""
-        self.prefix_hit_tokens += hit
-        with contextlib.suppress(KeyError):
+    def _predict_cache(self, worker: Worker, view: RequestView) -> None:
+        """The worker took the request: it will hold the prompt once it has served it, and
+        write it through to the global tier."""
+        with contextlib.suppress(KeyError):  # the worker was removed meanwhile
             self.index.insert(worker.url, view.key.keys)
         if self.config.global_tier:
             self.index.insert(GLOBAL_TIER, view.key.keys)
@@ -867,7 +876,8 @@ class Router:
                 ) as up:
                     await up.read()
                     if up.status == 200:
-                        self._accepted(prefill, view, hit)
+                        self.prefix_hit_tokens += hit
+                        self._predict_cache(prefill, view)
                         prefill.record_success(c.cb_success_threshold)
                     elif up.status >= 500:
                         prefill.record_failure(

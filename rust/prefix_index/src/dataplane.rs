@@ -4,7 +4,7 @@
 //! For `POST /generate`, `/v1/chat/completions` and `/v1/completions` the server reads the body
 //! and hands it to the Python router (`dp_begin`), which keys it, picks a worker and returns an
 //! *exchange*: an object that says where to send the request (`next`), hears how each attempt
-//! went (`failed`, `head`, `first_token`, `end`) and keeps the accounting. The bytes themselves,
+//! went (`failed`, `whole`, `streaming`, `end`, then `record`) and keeps the accounting. The bytes themselves,
 //! the waiting, the retries' backoff and the streaming back stay here. Every other route (health,
 //! metrics, worker management, and generation in PD mode, where `dp_begin` returns `None`) is
 //! passed to the Python application on a private loopback port.
@@ -367,12 +367,9 @@ async fn forward(
                 ex.failed(reason).await?;
                 continue;
             }
-            // The accounting (and the index's insert, the longer the prompt the longer) runs
-            // once the answer is on its way: hyper writes it when this future returns, before
-            // the spawned task gets the thread.
-            let handed = ex.ex.take().expect("exchange present");
+            ex.call("whole", (status,))?;
             ex.open = false;
-            book(Arc::new(handed), "whole", status, raw.len());
+            record(ex.ex.take().expect("exchange present"), raw.len());
             return Ok(respond(status, &out_headers, full(data)));
         }
         // Wait for the first bytes before answering: until then a failed worker can be retried.
@@ -383,44 +380,58 @@ async fn forward(
                 continue;
             }
         };
-        let handed = ex.ex.take().expect("exchange present");
-        ex.open = false;
         let Some(first) = first else {
-            book(Arc::new(handed), "whole", status, raw.len());
+            ex.call("whole", (status,))?;
+            ex.open = false;
+            record(ex.ex.take().expect("exchange present"), raw.len());
             return Ok(respond(status, &out_headers, full(Bytes::new())));
         };
+        // Booked before the client sees it, so the accounting never lags what the client saw;
+        // the stream's end is `pump`'s to report.
+        let handed = ex.ex.take().expect("exchange present");
+        ex.open = false;
+        let to_record = Python::attach(|py| {
+            handed
+                .bind(py)
+                .call_method1("streaming", (status,))
+                .map(|_| handed.clone_ref(py))
+                .map_err(|e| router_error(py, e))
+        });
+        let to_record = match to_record {
+            Ok(r) => r,
+            Err(resp) => {
+                ex.ex = Some(handed); // its attempt is open: the guard ends it
+                ex.open = true;
+                return Err(resp);
+            }
+        };
+        record(to_record, raw.len());
         let (tx, rx) = mpsc::channel::<Bytes>(64);
-        let handed = Arc::new(handed);
-        let booked = book(handed.clone(), "streaming", status, raw.len());
-        tokio::spawn(pump(plane.clone(), handed, booked, body, first, tx));
+        tokio::spawn(pump(plane.clone(), handed, body, first, tx));
         return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
     }
 }
 
-/// Prompts from this size (bytes) have their answer booked on a blocking thread: the index's
-/// insert then runs beside the next requests (it releases the GIL for large prompts) instead
-/// of holding up the data plane's thread.
-const BOOK_ASIDE_BYTES: usize = 64 << 10;
+/// Prompts from this size (bytes) are recorded in the index on a blocking thread: the insert
+/// then runs beside the next requests (it releases the GIL for large prompts) instead of
+/// holding up the data plane's thread.
+const RECORD_ASIDE_BYTES: usize = 64 << 10;
 
-/// Calls `ex.<step>(status)` once the answer is on its way: a task spawned now runs after the
-/// current one has handed its response to hyper.
-fn book(
-    ex: Arc<Py<PyAny>>,
-    step: &'static str,
-    status: u16,
-    body_len: usize,
-) -> tokio::task::JoinHandle<()> {
+/// `ex.record()`, the index learning the prompt (the one step whose cost grows with it), once
+/// the answer is on its way: a task spawned now runs after the current one has handed its
+/// response to hyper.
+fn record(ex: Py<PyAny>, body_len: usize) {
     let call = move || {
         Python::attach(|py| {
-            if let Err(e) = ex.bind(py).call_method1(step, (status,)) {
+            if let Err(e) = ex.bind(py).call_method0("record") {
                 e.print(py);
             }
         })
     };
-    if body_len >= BOOK_ASIDE_BYTES {
-        tokio::task::spawn_blocking(call)
+    if body_len >= RECORD_ASIDE_BYTES {
+        tokio::task::spawn_blocking(call);
     } else {
-        tokio::spawn(async move { call() })
+        tokio::spawn(async move { call() });
     }
 }
 
@@ -428,8 +439,7 @@ fn book(
 /// correction, and ends the exchange with how it went.
 async fn pump(
     plane: Arc<Plane>,
-    ex: Arc<Py<PyAny>>,
-    booked: tokio::task::JoinHandle<()>,
+    ex: Py<PyAny>,
     mut body: Incoming,
     first: Bytes,
     tx: mpsc::Sender<Bytes>,
@@ -448,10 +458,7 @@ async fn pump(
     };
     count(&first);
     let mut outcome = String::from("ok");
-    let sent = tx.send(first).await.is_ok();
-    // The first chunk is booked (`book`) while it is written; its end must come after.
-    let _ = booked.await;
-    if !sent {
+    if tx.send(first).await.is_err() {
         outcome = "client_gone".into();
     } else {
         loop {
