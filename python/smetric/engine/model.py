@@ -228,7 +228,7 @@ class Engine:
         self.check(req)
         req.worker = self.name
         req.phase = Phase.WAITING
-        req.queued_tokens = req.prompt_tokens - self._cached_tokens(req)
+        req.queued_tokens = req.prompt_tokens - sum(self._cached_split(req, touch=False))
         self.waiting.append(req)
         self.requests_total += 1
 
@@ -295,14 +295,15 @@ class Engine:
         # SGLang always computes the last prompt token, to sample the first output token.
         return min(int(blocks * req.block_tokens), req.prompt_tokens - 1)
 
-    def _cached_tokens(self, req: EngineRequest) -> int:
-        """Prompt tokens the request would not compute if admitted now: its local hit, then
-        what the global tier holds beyond it."""
-        cached = self._local_tokens(req, touch=False)
+    def _cached_split(self, req: EngineRequest, touch: bool) -> tuple[int, int]:
+        """The prompt tokens the request would not compute if admitted now: its local hit, and
+        what the global tier holds beyond it (together at most all but the last token)."""
+        local = self._local_tokens(req, touch)
+        global_blocks = 0
         if self.cluster.global_tier is not None:
-            tier = self.cluster.index.match(req.keys, touch=False).global_blocks
-            cached = max(cached, min(int(tier * req.block_tokens), req.prompt_tokens - 1))
-        return max(cached, 0)
+            global_blocks = self.cluster.index.match(req.keys, touch=False).global_blocks
+        loaded = int(global_blocks * req.block_tokens) - local
+        return local, max(min(loaded, req.prompt_tokens - 1 - local), 0)
 
     def _kv_need(self, req: EngineRequest, local_tokens: int) -> int:
         """Pool tokens a request takes beyond the cached prefix it shares."""
@@ -311,13 +312,9 @@ class Engine:
     def _admit(self, req: EngineRequest) -> float:
         """Starts a request's prefill: finds its cached prefix; returns the global load time."""
         self.cluster.set_global_block_tokens(req.block_tokens)
-        local = self._local_tokens(req, touch=True)  # the cache is used: its path is refreshed
-        global_blocks = 0
-        if self.cluster.global_tier is not None:
-            global_blocks = self.cluster.index.match(req.keys, touch=False).global_blocks
-        loaded = int(global_blocks * req.block_tokens) - local
+        # The cache is used: its path is refreshed.
+        local, req.global_cached_tokens = self._cached_split(req, touch=True)
         req.local_cached_tokens = local
-        req.global_cached_tokens = max(min(loaded, req.prompt_tokens - 1 - local), 0)
         req.prefilled_tokens = req.cached_tokens
         req.phase = Phase.PREFILL
         self._reserve(req, self._kv_need(req, local), locked=local)

@@ -201,11 +201,8 @@ class Exchange:
 
     def refusal(self) -> tuple[int, bytes]:
         """The answer when no attempt is left: 503, with the last failure."""
-        r = self.router
-        with r.lock:
-            r.requests[(self.view.api, 503)] += 1
         what = "decode worker failed" if self.pinned else "no worker could serve the request"
-        return 503, error_body(503, f"{what}: {self.last_error}")
+        return 503, self.router._refuse(self.view.api, 503, f"{what}: {self.last_error}")
 
     def failed(self, reason: str) -> float | None:
         r, c = self.router, self.router.config
@@ -570,22 +567,19 @@ class Router:
             results = await asyncio.gather(
                 *(self._probe(w.url) for w in workers), return_exceptions=True
             )
+            c = self.config
             with self.lock:
-                self._health_results(workers, results)
-
-    def _health_results(self, workers: list[Worker], results: list[Any]) -> None:
-        c = self.config
-        for w, ok in zip(workers, results, strict=True):
-            if ok is True:
-                w.health_failures, w.health_successes = 0, w.health_successes + 1
-                if not w.healthy and w.health_successes >= c.health_success_threshold:
-                    w.healthy = True
-                    log.info("worker healthy again url=%s", w.url)
-            else:
-                w.health_successes, w.health_failures = 0, w.health_failures + 1
-                if w.healthy and w.health_failures >= c.health_failure_threshold:
-                    w.healthy = False
-                    log.warning("worker unhealthy url=%s", w.url)
+                for w, ok in zip(workers, results, strict=True):
+                    if ok is True:
+                        w.health_failures, w.health_successes = 0, w.health_successes + 1
+                        if not w.healthy and w.health_successes >= c.health_success_threshold:
+                            w.healthy = True
+                            log.info("worker healthy again url=%s", w.url)
+                    else:
+                        w.health_successes, w.health_failures = 0, w.health_failures + 1
+                        if w.healthy and w.health_failures >= c.health_failure_threshold:
+                            w.healthy = False
+                            log.warning("worker unhealthy url=%s", w.url)
 
     async def _poll_load(self, w: Worker) -> None:
         timeout = min(self.config.health_check_timeout_secs, 2.0)
@@ -675,17 +669,18 @@ class Router:
             try:
                 view = view_request(api, loads(raw), headers)
             except (ValueError, UnicodeDecodeError, RecursionError):
-                return self._bad_request(api, "request body is not valid JSON")
+                return self._refuse(api, 400, "request body is not valid JSON")
             except BadRequest as e:
-                return self._bad_request(api, str(e))
+                return self._refuse(api, 400, str(e))
         with self.lock:
             self.prompt_tokens += view.prompt_tokens
         return view
 
-    def _bad_request(self, api: str, message: str) -> bytes:
+    def _refuse(self, api: str, status: int, message: str) -> bytes:
+        """The JSON body of an error the router answers itself, counted in the metrics."""
         with self.lock:
-            self.requests[(api, 400)] += 1
-        return error_body(400, message)
+            self.requests[(api, status)] += 1
+        return error_body(status, message)
 
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
         """The aiohttp data plane (``--data-plane aiohttp``, and PD mode)."""
@@ -726,9 +721,7 @@ class Router:
 
     def dp_error(self, path: str, status: int, message: str) -> bytes:
         """A generation request the data plane refused before reading it whole (413)."""
-        with self.lock:
-            self.requests[(ROUTES[path], status)] += 1
-        return error_body(status, message)
+        return self._refuse(ROUTES[path], status, message)
 
     # ---- the aiohttp data plane ----------------------------------------------------------
 
