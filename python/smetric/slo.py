@@ -114,11 +114,16 @@ class SLOModel:
 
     # ---- predictions ---------------------------------------------------------------------
 
-    def _prefill_s(self, queued: int, uncached: int, cached: int) -> float:
+    def _compute_s(self, queued: int, uncached: int, cached: int) -> float:
+        """The compute of ``queued`` tokens of prefill ahead and of this request's ``uncached``
+        tokens over its ``cached`` context, without the iterations' overhead."""
         flops = self._linear * (queued + uncached)
         flops += self._attention * (uncached * cached + uncached * (uncached + 1) / 2.0)
+        return flops / self._flops_per_s
+
+    def _prefill_s(self, queued: int, uncached: int, cached: int) -> float:
         chunks = math.ceil((queued + uncached) / self.config.chunk_tokens)
-        return flops / self._flops_per_s + chunks * self.profile.overhead_s
+        return self._compute_s(queued, uncached, cached) + chunks * self.profile.overhead_s
 
     def global_load_s(self, tokens: int) -> float:
         if tokens <= 0 or not self.config.global_tier:
@@ -184,10 +189,7 @@ class SLOModel:
         if tail < c:
             wait = rest + (self._prefill_s(total - tail, 0, 0) if total > tail else 0.0)
             if self.arrival_rate(url) * wait > math.log(2.0):
-                extra = c - tail
-                t += (self._linear * extra + self._attention * extra * (extra + 1) / 2.0) / (
-                    self._flops_per_s
-                )
+                t += self._compute_s(0, c - tail, 0)  # the top-up rides in the same iteration
         return t
 
     def predict_tpot_s(
@@ -238,7 +240,7 @@ class SLOModel:
             # Another request reached the instance while this one waited, so its last prefill
             # iteration may have been topped up with up to a chunk: an observation up to that
             # much above the prediction agrees with the model and teaches nothing.
-            band = self._linear * self.config.chunk_tokens / self._flops_per_s * current
+            band = self._compute_s(self.config.chunk_tokens, 0, 0) * current
             if predicted <= observed <= predicted + band:
                 return
             if observed > predicted:
