@@ -4,7 +4,10 @@ and ask again."""
 
 from __future__ import annotations
 
+import json
 import socket
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -129,3 +132,26 @@ def test_the_data_plane_refuses_bad_settings_and_a_taken_port(capsys):
         argv += ["--disable-health-check", "--worker-startup-timeout-secs", "0"]
         assert launch_router.main(argv) == 1
         assert f"cannot serve on 127.0.0.1:{port}" in capsys.readouterr().err
+
+
+def test_the_data_plane_answers_a_router_failure_with_a_500_in_valid_json(capsys):
+    class Failing:
+        def dp_begin(self, *args: Any) -> None:
+            raise RuntimeError('a "quoted" word,\na newline, an \x1b escape and a \\ backslash')
+
+    plane = DataPlane(Failing(), "http://127.0.0.1:1", 1024, 5.0, 1.0)
+    port = plane.start("127.0.0.1", 0)
+    try:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/generate", data=b'{"text": "hi"}', method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=5)
+        body = json.loads(e.value.read())
+    finally:
+        plane.stop()
+    assert e.value.code == 500 and body["error"]["code"] == 500
+    assert body["error"]["message"] == (
+        'router error: RuntimeError: a "quoted" word,\na newline, an \x1b escape and a \\ backslash'
+    )
+    assert "RuntimeError" in capsys.readouterr().err  # the traceback, for the operator

@@ -87,14 +87,29 @@ fn json_response(status: u16, body: Vec<u8>) -> Response<Body> {
     resp
 }
 
+/// An error the data plane answers itself, in the router's JSON shape
+/// (`{"error": {"message", "type", "code"}}`, as `smetric.router.app.error_body` writes it).
+fn error_response(status: u16, kind: &str, message: &str) -> Response<Body> {
+    let mut quoted = String::with_capacity(message.len() + 2);
+    quoted.push('"');
+    for c in message.chars() {
+        match c {
+            '"' => quoted.push_str("\\\""),
+            '\\' => quoted.push_str("\\\\"),
+            c if (c as u32) < 0x20 => quoted.push_str(&format!("\\u{:04x}", c as u32)),
+            c => quoted.push(c),
+        }
+    }
+    quoted.push('"');
+    let body =
+        format!("{{\"error\":{{\"message\":{quoted},\"type\":\"{kind}\",\"code\":{status}}}}}");
+    json_response(status, body.into_bytes())
+}
+
 /// The router failed (a Python exception): the traceback goes to stderr, the client gets a 500.
 fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
     e.print(py);
-    let msg = format!(
-        "{{\"error\":{{\"message\":{:?},\"type\":\"ServerError\",\"code\":500}}}}",
-        format!("router error: {e}")
-    );
-    json_response(500, msg.into_bytes())
+    error_response(500, "ServerError", &format!("router error: {e}"))
 }
 
 /// A response body fed by the task that pumps a worker's stream.
@@ -219,12 +234,7 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
                 }
             }))
         }
-        Err((status, message)) => {
-            let body = format!(
-                "{{\"error\":{{\"message\":{message:?},\"type\":\"BadRequestError\",\"code\":{status}}}}}"
-            );
-            return Ok(json_response(status, body.into_bytes()));
-        }
+        Err((status, message)) => return Ok(error_response(status, "BadRequestError", message)),
     };
     if !generation {
         return Ok(to_internal(&plane, parts, raw).await);
@@ -317,7 +327,7 @@ async fn forward(
         };
         let mut req = Request::post(format!("{url}{path}"))
             .body(Full::new(raw.clone()))
-            .map_err(|e| json_response(500, format!("{{\"error\":{e:?}}}").into_bytes()))?;
+            .map_err(|e| error_response(500, "ServerError", &format!("bad worker URL: {e}")))?;
         for (k, v) in &headers {
             if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::try_from(v)) {
                 req.headers_mut().append(k, v);
@@ -514,7 +524,7 @@ async fn to_internal(
     *req.method_mut() = parts.method;
     *req.uri_mut() = match format!("{}{pq}", plane.internal).parse() {
         Ok(u) => u,
-        Err(_) => return json_response(400, b"{\"error\":\"bad request target\"}".to_vec()),
+        Err(_) => return error_response(400, "BadRequestError", "bad request target"),
     };
     for (k, v) in parts.headers.iter() {
         if !HOP.contains(&k.as_str()) && k != "host" && k != "content-length" {
@@ -530,11 +540,8 @@ async fn to_internal(
             Response::from_parts(p, b.boxed())
         }
         Err(e) => {
-            let msg = format!(
-                "{{\"error\":{{\"message\":{:?},\"type\":\"ServerError\",\"code\":502}}}}",
-                format!("router's control plane unreachable: {}", error_chain(&e))
-            );
-            json_response(502, msg.into_bytes())
+            let message = format!("router's control plane unreachable: {}", error_chain(&e));
+            error_response(502, "ServerError", &message)
         }
     }
 }
