@@ -311,17 +311,17 @@ async fn forward(
     path: &str,
     raw: Bytes,
     ex: &mut Exchange,
-    mut target: Next,
+    target: Next,
     stream: bool,
 ) -> Result<Response<Body>, Response<Body>> {
-    let mut first_attempt = true;
+    let mut first_target = Some(target); // named by `dp_begin`; each retry asks `next`
     loop {
-        if !first_attempt {
-            target = extract(ex.call("next", ()))?;
-            ex.open = target.is_some();
-        }
-        first_attempt = false;
-        let Some((url, headers, mut out_headers)) = target.take() else {
+        let target = match first_target.take() {
+            Some(t) => t,
+            None => extract(ex.call("next", ()))?,
+        };
+        ex.open = target.is_some();
+        let Some((url, headers, mut out_headers)) = target else {
             let (status, body): (u16, Vec<u8>) = extract(ex.call("refusal", ()))?;
             return Ok(json_response(status, body));
         };
@@ -364,8 +364,29 @@ async fn forward(
             out_headers.push(("content-encoding".to_owned(), cenc));
         }
         let mut body = resp.into_body();
-        if !(stream && status == 200) {
-            let mut data = Vec::new();
+        let mut data = Vec::new();
+        if stream && status == 200 {
+            // Wait for the first bytes before answering: until then a failed worker can be
+            // retried. An empty stream is answered whole, below.
+            match next_data(&mut body, plane.read_timeout).await {
+                Err(reason) => {
+                    ex.failed(reason).await?;
+                    continue;
+                }
+                Ok(None) => {}
+                Ok(Some(first)) => {
+                    // Booked before the client sees it, so the accounting never lags what the
+                    // client saw; the stream's end is `pump`'s to report.
+                    ex.call("streaming", (status,))?;
+                    let handed = ex.ex.take().expect("exchange present");
+                    ex.open = false;
+                    record(Python::attach(|py| handed.clone_ref(py)), raw.len());
+                    let (tx, rx) = mpsc::channel::<Bytes>(64);
+                    tokio::spawn(pump(plane.clone(), handed, body, first, tx));
+                    return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
+                }
+            }
+        } else {
             let broke = loop {
                 match next_data(&mut body, plane.read_timeout).await {
                     Ok(Some(chunk)) => data.extend_from_slice(&chunk),
@@ -377,48 +398,11 @@ async fn forward(
                 ex.failed(reason).await?;
                 continue;
             }
-            ex.call("whole", (status,))?;
-            ex.open = false;
-            record(ex.ex.take().expect("exchange present"), raw.len());
-            return Ok(respond(status, &out_headers, full(data)));
         }
-        // Wait for the first bytes before answering: until then a failed worker can be retried.
-        let first = match next_data(&mut body, plane.read_timeout).await {
-            Ok(first) => first,
-            Err(reason) => {
-                ex.failed(reason).await?;
-                continue;
-            }
-        };
-        let Some(first) = first else {
-            ex.call("whole", (status,))?;
-            ex.open = false;
-            record(ex.ex.take().expect("exchange present"), raw.len());
-            return Ok(respond(status, &out_headers, full(Bytes::new())));
-        };
-        // Booked before the client sees it, so the accounting never lags what the client saw;
-        // the stream's end is `pump`'s to report.
-        let handed = ex.ex.take().expect("exchange present");
+        ex.call("whole", (status,))?;
         ex.open = false;
-        let to_record = Python::attach(|py| {
-            handed
-                .bind(py)
-                .call_method1("streaming", (status,))
-                .map(|_| handed.clone_ref(py))
-                .map_err(|e| router_error(py, e))
-        });
-        let to_record = match to_record {
-            Ok(r) => r,
-            Err(resp) => {
-                ex.ex = Some(handed); // its attempt is open: the guard ends it
-                ex.open = true;
-                return Err(resp);
-            }
-        };
-        record(to_record, raw.len());
-        let (tx, rx) = mpsc::channel::<Bytes>(64);
-        tokio::spawn(pump(plane.clone(), handed, body, first, tx));
-        return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
+        record(ex.ex.take().expect("exchange present"), raw.len());
+        return Ok(respond(status, &out_headers, full(data)));
     }
 }
 
