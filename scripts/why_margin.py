@@ -49,7 +49,7 @@ from smetric.policies.smetric import SMetric
 from smetric.request import RequestView
 from smetric.sim import ClusterState, SimRequest, SimResult, policy_route, simulate
 from smetric.slo import SLOConfig, SLOModel
-from smetric.workload.sweep import scale_arrivals, sweep_policy
+from smetric.workload.sweep import load_workload, scale_arrivals, sweep_policy
 
 
 @dataclass
@@ -363,18 +363,6 @@ def compare(a: Run, sa: dict[str, Any], b: Run, sb: dict[str, Any]) -> None:
         )
 
 
-def load_requests(args: argparse.Namespace, profile: Profile) -> list[SimRequest]:
-    if args.trace == "mooncake":
-        from smetric.workload.mooncake import load_mooncake
-        from smetric.workload.sessions import idle_service_time
-
-        return load_mooncake(args.path, args.limit, args.closed_loop, idle_service_time(profile))
-    from smetric.workload.agents import load_sessions, replicate, sim_requests
-
-    sessions = replicate(load_sessions(args.path, limit=args.limit), args.copies)
-    return sim_requests(sessions, 2.0 / args.copies, 2.0)  # as `smetric sweep` does
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", choices=["mooncake", "agents"], default="mooncake")
@@ -395,7 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tier = None if args.no_global_tier else GlobalTierConfig(load_bytes_per_s=args.tier_gbps * 1e9)
     slo_config = SLOConfig(ttft_slo_scale=args.ttft_slo_scale)
     slo = SLOModel(profile, slo_config)
-    requests = load_requests(args, profile)
+    requests = load_workload(
+        args.trace, args.path, profile, args.limit, args.closed_loop, args.copies
+    )
     firsts = sum(bool(r.is_first_turn) for r in requests)
     print(
         f"{len(requests)} requests, {firsts} first turns, {len(requests) - firsts} follow-ups; "

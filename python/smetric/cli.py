@@ -392,7 +392,7 @@ def _report(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from smetric.policies import POLICIES
     from smetric.slo import SLOConfig
-    from smetric.workload.sweep import ABLATIONS, LADDER, Point, peak_tps, sweep
+    from smetric.workload.sweep import ABLATIONS, LADDER, Point, load_workload, peak_tps, sweep
 
     if unknown := [p for p in args.policies if p not in POLICIES and p not in ABLATIONS]:
         parser.error(f"unknown policies: {', '.join(unknown)} (ablations: {', '.join(ABLATIONS)})")
@@ -414,35 +414,19 @@ def _sweep(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         profile = load_profile(args.profile)
     except ValueError as e:
         parser.error(str(e))
-    if args.closed_loop and args.trace not in ("mooncake", "bailian"):
-        parser.error("--closed-loop is for --trace mooncake or bailian")
-    if args.sessions is not None and (args.trace != "generated" or args.sessions < 1):
-        parser.error("--sessions (>= 1) is for --trace generated")
-    if args.trace in ("mooncake", "bailian"):
-        from smetric.workload.bailian import load_bailian
-        from smetric.workload.mooncake import load_mooncake
-        from smetric.workload.sessions import idle_service_time
-
-        if not args.path:
-            parser.error(f"--trace {args.trace} needs --path")
-        load = load_mooncake if args.trace == "mooncake" else load_bailian
-        try:
-            requests = load(args.path, args.limit, args.closed_loop, idle_service_time(profile))
-        except (OSError, ValueError) as e:
-            parser.error(str(e))
-    elif args.trace == "generated":
-        from smetric.workload.generator import AgentWorkloadSpec, generate
-
-        if args.limit is not None:
-            parser.error("--trace generated takes --sessions, not --limit")
-        spec = AgentWorkloadSpec(sessions=args.sessions or AgentWorkloadSpec.sessions)
-        requests = generate(spec, args.seed)
-    else:
-        from smetric.workload.agents import load_sessions, replicate, sim_requests
-
-        sessions = replicate(load_sessions(args.path, limit=args.limit), args.copies)
-        # Sessions start 2 s apart (copies: the same rate per copy), think 2 s between turns.
-        requests = sim_requests(sessions, 2.0 / args.copies, 2.0)
+    try:
+        requests = load_workload(
+            args.trace,
+            args.path,
+            profile,
+            args.limit,
+            args.closed_loop,
+            args.copies,
+            args.sessions,
+            args.seed,
+        )
+    except (OSError, ValueError) as e:
+        parser.error(str(e))
 
     def show(p: Point) -> None:
         mark = "ok " if p.meets_slo else "SLO"

@@ -61,6 +61,47 @@ class Point:
     """Max over mean of the prompt tokens each instance served (1 = even)."""
 
 
+def load_workload(
+    trace: str,
+    path: str | None,
+    profile: Profile,
+    limit: int | None = None,
+    closed_loop: bool = False,
+    copies: int = 1,
+    sessions: int | None = None,
+    seed: int = 0,
+) -> list[SimRequest]:
+    """The requests of ``smetric sweep --trace ...`` at load x1: ``mooncake`` and ``bailian``
+    (``path`` required; ``closed_loop``: a next turn waits for its previous answer), ``agents``
+    (``path`` or the bundled slice; ``copies`` of each session, started 2 s apart per copy, 2 s
+    think time) or ``generated`` (``sessions``, ``seed``). ValueError for a bad combination or
+    an unreadable trace (OSError passes through)."""
+    if closed_loop and trace not in ("mooncake", "bailian"):
+        raise ValueError("--closed-loop is for --trace mooncake or bailian")
+    if sessions is not None and (trace != "generated" or sessions < 1):
+        raise ValueError("--sessions (>= 1) is for --trace generated")
+    if trace in ("mooncake", "bailian"):
+        from smetric.workload.bailian import load_bailian
+        from smetric.workload.mooncake import load_mooncake
+        from smetric.workload.sessions import idle_service_time
+
+        if not path:
+            raise ValueError(f"--trace {trace} needs --path")
+        load = load_mooncake if trace == "mooncake" else load_bailian
+        return load(path, limit, closed_loop, idle_service_time(profile))
+    if trace == "generated":
+        from smetric.workload.generator import AgentWorkloadSpec, generate
+
+        if limit is not None:
+            raise ValueError("--trace generated takes --sessions, not --limit")
+        return generate(AgentWorkloadSpec(sessions=sessions or AgentWorkloadSpec.sessions), seed)
+    from smetric.workload.agents import load_sessions, replicate, sim_requests
+
+    agents = replicate(load_sessions(path, limit=limit), copies)
+    # Sessions start 2 s apart (copies: the same rate per copy), think 2 s between turns.
+    return sim_requests(agents, 2.0 / copies, 2.0)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The value at rank ``int(q * (n - 1))`` of the sorted values (inf when there are none)."""
     ordered = sorted(values)
