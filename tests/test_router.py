@@ -910,3 +910,60 @@ def test_a_content_part_with_null_or_numeric_text_is_a_400():
 
     for status, data in run(test):
         assert status == 400 and data["error"]["code"] == 400
+
+
+class PacedStream:
+    """A worker that streams one event, waits until the test lets it go on (``go``), then sends
+    a burst of ``burst`` events at once and ``[DONE]``."""
+
+    def __init__(self, burst: int) -> None:
+        self.burst = burst
+        self.go = asyncio.Event()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"text": "first"}\n\n')
+            await asyncio.wait_for(self.go.wait(), 5)
+            for i in range(self.burst):
+                await resp.write(b'data: {"text": "%d"}\n\n' % i)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        async def info(request: web.Request) -> web.Response:
+            return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
+
+        app.router.add_post("/generate", generate)
+        for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
+            app.router.add_get(path, info)
+        return app
+
+
+def test_a_stream_passes_each_event_on_as_it_arrives_and_a_burst_whole():
+    async def main():
+        worker = PacedStream(burst=200)
+        runner, url = await serve_app(worker.app())
+        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(base + "/generate", json={"text": "a", "stream": True}) as r,
+            ):
+                # The worker holds back everything after its first event until the client has
+                # that one: a router that waited to gather more would never deliver it.
+                first = await asyncio.wait_for(r.content.readline(), 5)
+                worker.go.set()
+                rest = [line.strip() async for line in r.content if line.strip()]
+            return first.strip(), rest, router.workers[url].in_flight
+        finally:
+            await rrunner.close()
+            await runner.cleanup()
+
+    first, rest, in_flight = asyncio.run(main())
+    assert first == b'data: {"text": "first"}'
+    assert rest == [b'data: {"text": "%d"}' % i for i in range(200)] + [b"data: [DONE]"]
+    assert in_flight == 0

@@ -17,6 +17,7 @@
 #![allow(clippy::result_large_err)]
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -36,7 +37,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -112,18 +113,163 @@ fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
     error_response(500, "ServerError", &format!("router error: {e}"))
 }
 
-/// A response body fed by the task that pumps a worker's stream.
-struct ChannelBody(mpsc::Receiver<Bytes>);
+/// The response body of a stream: it reads the worker's stream itself, as hyper asks for more,
+/// counts its SSE events for the TPOT correction, and ends the exchange with how it went, before
+/// the client sees the stream's end. Dropped before that (the client went away), it ends the
+/// exchange as `client_gone` and, dropping the worker's body unread, closes that connection so
+/// the worker stops generating.
+///
+/// Chunks that have already reached the router go out together: when the worker's body has
+/// nothing ready but this body holds data, it yields to the runtime once (so the worker
+/// connection's task can hand over what it has read) before answering with what it holds.
+/// Nothing waits for bytes still on the wire, so each chunk still leaves as soon as it arrives;
+/// what is saved is a write (a system call and a TCP segment) per chunk.
+struct Relay {
+    plane: Arc<Plane>,
+    /// The exchange until its `end` is called.
+    ex: Option<Py<PyAny>>,
+    /// The worker's stream until it ends or breaks.
+    upstream: Option<Incoming>,
+    held: Vec<Bytes>,
+    /// How many times this body has yielded since it last took data from the worker.
+    yielded: u8,
+    /// When the worker's silence counts as broken (reset at each chunk).
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    events: usize,
+    t_first: Instant,
+    t_last: Instant,
+}
 
-impl hyper::body::Body for ChannelBody {
+impl Relay {
+    fn new(plane: Arc<Plane>, ex: Py<PyAny>, upstream: Incoming, first: Bytes) -> Self {
+        let now = Instant::now();
+        let deadline = Box::pin(tokio::time::sleep(plane.read_timeout));
+        let mut relay = Relay {
+            plane,
+            ex: Some(ex),
+            upstream: Some(upstream),
+            held: Vec::new(),
+            yielded: RELAY_YIELDS, // the first chunk goes at once
+            deadline,
+            events: 0,
+            t_first: now,
+            t_last: now,
+        };
+        relay.hold(first);
+        relay
+    }
+
+    fn hold(&mut self, data: Bytes) {
+        let n = self.plane.events.find_iter(&data).count();
+        if n > 0 {
+            self.t_last = Instant::now();
+            if self.events == 0 {
+                self.t_first = self.t_last;
+            }
+            self.events += n;
+        }
+        self.held.push(data);
+    }
+
+    /// The worker's stream is over (`ok`, or `broke:<why>`): the exchange ends, and a broken
+    /// stream gets the router's closing error event.
+    fn finish(&mut self, outcome: &str) {
+        self.upstream = None;
+        if let Some(ex) = self.ex.take() {
+            let span = self.t_last.duration_since(self.t_first).as_secs_f64();
+            let tail: Vec<u8> = Python::attach(|py| {
+                match ex
+                    .bind(py)
+                    .call_method1("end", (outcome, self.events, span))
+                {
+                    Ok(t) => t.extract().unwrap_or_default(),
+                    Err(e) => {
+                        e.print(py);
+                        Vec::new()
+                    }
+                }
+            });
+            if !tail.is_empty() {
+                self.held.push(Bytes::from(tail));
+            }
+        }
+    }
+
+    fn take_held(&mut self) -> Option<Bytes> {
+        match self.held.len() {
+            0 => None,
+            1 => self.held.pop(),
+            _ => Some(Bytes::from(
+                self.held.drain(..).collect::<Vec<_>>().concat(),
+            )),
+        }
+    }
+}
+
+/// How many times in a row a body holding data yields for more before it answers: once is not
+/// always enough for the worker connection's task to run (measured: two gather every chunk the
+/// router has read).
+const RELAY_YIELDS: u8 = 2;
+
+/// Held data worth sending without trying for more.
+const RELAY_FLUSH_BYTES: usize = 64 << 10;
+
+impl hyper::body::Body for Relay {
     type Data = Bytes;
     type Error = hyper::Error;
 
     fn poll_frame(
-        mut self: Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        self.0.poll_recv(cx).map(|c| c.map(|b| Ok(Frame::data(b))))
+        let this = self.get_mut();
+        loop {
+            let held: usize = this.held.iter().map(Bytes::len).sum();
+            let Some(upstream) = this.upstream.as_mut().filter(|_| held < RELAY_FLUSH_BYTES) else {
+                break;
+            };
+            match Pin::new(upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        if !data.is_empty() {
+                            this.hold(data);
+                            this.yielded = 0;
+                            let timeout = this.plane.read_timeout;
+                            this.deadline
+                                .as_mut()
+                                .reset(tokio::time::Instant::now() + timeout);
+                        }
+                    }
+                }
+                Poll::Ready(None) => this.finish("ok"),
+                Poll::Ready(Some(Err(e))) => this.finish(&format!("broke:ClientPayloadError: {e}")),
+                Poll::Pending if !this.held.is_empty() => {
+                    if this.yielded >= RELAY_YIELDS {
+                        break;
+                    }
+                    this.yielded += 1;
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                Poll::Pending => {
+                    if this.deadline.as_mut().poll(cx).is_ready() {
+                        this.finish("broke:TimeoutError: the worker went quiet");
+                        continue;
+                    }
+                    return Poll::Pending;
+                }
+            }
+        }
+        Poll::Ready(this.take_held().map(|b| Ok(Frame::data(b))))
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if self.ex.is_some() {
+            drop(self.upstream.take()); // unread, it closes the worker's connection
+            self.finish("client_gone");
+        }
     }
 }
 
@@ -305,7 +451,7 @@ where
 }
 
 /// Tries workers as the exchange names them until one answers, then answers the client: whole
-/// (not streaming, or an error status), or as a stream fed by `pump`.
+/// (not streaming, or an error status), or as a stream read by a `Relay`.
 async fn forward(
     plane: &Arc<Plane>,
     path: &str,
@@ -376,14 +522,13 @@ async fn forward(
                 Ok(None) => {}
                 Ok(Some(first)) => {
                     // Booked before the client sees it, so the accounting never lags what the
-                    // client saw; the stream's end is `pump`'s to report.
+                    // client saw; the stream's end is the `Relay`'s to report.
                     ex.call("streaming", (status,))?;
                     let handed = ex.ex.take().expect("exchange present");
                     ex.open = false;
                     record(Python::attach(|py| handed.clone_ref(py)), raw.len());
-                    let (tx, rx) = mpsc::channel::<Bytes>(64);
-                    tokio::spawn(pump(plane.clone(), handed, body, first, tx));
-                    return Ok(respond(status, &out_headers, ChannelBody(rx).boxed()));
+                    let relay = Relay::new(plane.clone(), handed, body, first);
+                    return Ok(respond(status, &out_headers, relay.boxed()));
                 }
             }
         } else {
@@ -426,74 +571,6 @@ fn record(ex: Py<PyAny>, body_len: usize) {
         tokio::task::spawn_blocking(call);
     } else {
         tokio::spawn(async move { call() });
-    }
-}
-
-/// Passes a worker's stream to the client chunk by chunk, counting its SSE events for the TPOT
-/// correction, and ends the exchange with how it went.
-async fn pump(
-    plane: Arc<Plane>,
-    ex: Py<PyAny>,
-    mut body: Incoming,
-    first: Bytes,
-    tx: mpsc::Sender<Bytes>,
-) {
-    let mut events = 0usize;
-    let (mut t_first, mut t_last) = (Instant::now(), Instant::now());
-    let mut count = |data: &Bytes| {
-        let n = plane.events.find_iter(data).count();
-        if n > 0 {
-            t_last = Instant::now();
-            if events == 0 {
-                t_first = t_last;
-            }
-            events += n;
-        }
-    };
-    count(&first);
-    let mut outcome = String::from("ok");
-    if tx.send(first).await.is_err() {
-        outcome = "client_gone".into();
-    } else {
-        loop {
-            tokio::select! {
-                _ = tx.closed() => {
-                    outcome = "client_gone".into();
-                    break;
-                }
-                next = next_data(&mut body, plane.read_timeout) => match next {
-                    Ok(None) => break,
-                    Err(reason) => {
-                        outcome = format!("broke:{reason}");
-                        break;
-                    }
-                    Ok(Some(data)) => {
-                        count(&data);
-                        if tx.send(data).await.is_err() {
-                            outcome = "client_gone".into();
-                            break;
-                        }
-                    }
-                },
-            }
-        }
-    }
-    drop(body); // unread, it closes the worker's connection: the worker stops generating
-    let span = t_last.duration_since(t_first).as_secs_f64();
-    let tail: Vec<u8> = Python::attach(|py| {
-        match ex
-            .bind(py)
-            .call_method1("end", (outcome.as_str(), events, span))
-        {
-            Ok(t) => t.extract().unwrap_or_default(),
-            Err(e) => {
-                e.print(py);
-                Vec::new()
-            }
-        }
-    });
-    if !tail.is_empty() {
-        let _ = tx.send(Bytes::from(tail)).await;
     }
 }
 
