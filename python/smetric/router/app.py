@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import itertools
 import json
 import logging
 import math
@@ -87,6 +89,10 @@ def error_json(status: int, message: str, kind: str | None = None) -> web.Respon
     )
 
 
+Attempt = tuple[str, list[tuple[str, str]], list[tuple[str, str]]]
+"""An attempt: the worker's URL, the headers to send it, the headers for the client."""
+
+
 class Exchange:
     """One client request through the router: the workers it tries, the accounting of each
     attempt, and what the client is told. Two data planes drive it through the same steps, the
@@ -157,7 +163,7 @@ class Exchange:
         self.open = self.prefilled = False
         self.attempt_t0 = 0.0
 
-    def next(self) -> tuple[str, list[tuple[str, str]], list[tuple[str, str]]] | None:
+    def next(self) -> Attempt | None:
         """The next attempt: the worker's URL, the headers to send it, and the headers for the
         client (the data plane adds the content type and encoding the worker answers with)."""
         r = self.router
@@ -168,7 +174,7 @@ class Exchange:
                 worker, decision = self.pinned
                 hit = 0
             else:
-                if self.attempts >= r.config.max_attempts:
+                if self.attempts and self.attempts >= r.config.max_attempts:
                     return None
                 workers = r._eligible("regular", self.tried)
                 if not workers:
@@ -248,17 +254,25 @@ class Exchange:
         """Whether the client asked for a stream (a worker's error answer comes whole)."""
         return self.view.stream
 
-    def whole(self, status: int) -> None:
+    def whole(self, status: int, record: bool = False) -> None:
         """A whole answer (not streamed) arrived: ``answered``, ``first_token`` and
-        ``end("ok")`` at once."""
-        self.answered(status)
-        self.first_token(False)
-        self.end("ok")
+        ``end("ok")`` at once (and ``record``, if asked: the data plane does so for small
+        prompts, whose record costs less than a call of its own)."""
+        with self.router.lock:
+            self.answered(status)
+            self.first_token(False)
+            self.end("ok")
+        if record:
+            self.record()
 
-    def streaming(self, status: int) -> None:
-        """A stream's first chunk arrived: ``answered`` and ``first_token``."""
-        self.answered(status)
-        self.first_token(True)
+    def streaming(self, status: int, record: bool = False) -> None:
+        """A stream's first chunk arrived: ``answered`` and ``first_token`` (and ``record``, if
+        asked)."""
+        with self.router.lock:
+            self.answered(status)
+            self.first_token(True)
+        if record:
+            self.record()
 
     def first_token(self, streamed: bool) -> None:
         """The first bytes of the answer: the prefill is done. A streamed first chunk is the
@@ -386,6 +400,10 @@ class Router:
         self._tasks: list[asyncio.Task[None]] = []
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
         self._load_paths: dict[str, str] = {}
+        # Request ids where the client sends none: this router's random prefix and a count (32
+        # hex digits, as uuid4().hex, without a system call per request).
+        self._rid_prefix = os.urandom(8).hex()
+        self._rid_count = itertools.count()
         self.lock = threading.RLock()
         """Guards the registry, the workers' accounting and the metrics: the Rust data plane
         calls in from its own threads, and a thread switch may fall between any two lines."""
@@ -660,7 +678,7 @@ class Router:
             value = headers.get(h)
             if value:
                 return value
-        return os.urandom(16).hex()  # 32 hex digits as uuid4().hex, at a quarter of the cost
+        return f"{self._rid_prefix}{next(self._rid_count):016x}"
 
     def _view(self, api: str, raw: bytes, headers: Mapping[str, str]) -> RequestView | bytes:
         """The request as the index and the policies see it, or the body of a 400 (counted)."""
@@ -708,16 +726,18 @@ class Router:
 
     def dp_begin(
         self, path: str, raw: bytes, headers: Mapping[str, str], read_s: float
-    ) -> Exchange | tuple[int, bytes] | None:
-        """A generation request the data plane has read: its exchange, an error to answer
-        (status, JSON body), or None when the aiohttp application must serve it (PD mode)."""
+    ) -> tuple[Exchange, Attempt | None, bool] | tuple[int, bytes] | None:
+        """A generation request the data plane has read: its exchange with its first attempt
+        (``Exchange.next()``) and whether the client asked for a stream; or an error to answer
+        (status, JSON body); or None when the aiohttp application must serve it (PD mode)."""
         if self.config.pd_disaggregation:
             return None
         t0 = time.perf_counter() - read_s
         view = self._view(ROUTES[path], raw, headers)
         if isinstance(view, bytes):
             return 400, view
-        return Exchange(self, view, path, self._request_id(headers), t0, headers)
+        ex = Exchange(self, view, path, self._request_id(headers), t0, headers)
+        return ex, ex.next(), view.stream
 
     def dp_error(self, path: str, status: int, message: str) -> bytes:
         """A generation request the data plane refused before reading it whole (413)."""
@@ -1185,6 +1205,10 @@ async def serve(config: RouterConfig) -> None:
         f"{config.data_plane} data plane)",
         flush=True,
     )
+    # What exists now (modules, the router, its workers) lives as long as the process: out of
+    # the collector's sight, the collections that requests' short-lived objects set off no
+    # longer walk it again and again.
+    gc.freeze()
     try:
         await asyncio.Event().wait()
     finally:

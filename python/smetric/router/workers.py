@@ -190,7 +190,7 @@ class Worker:
             # ``prefill_since``: count what it has got through meanwhile as done (a fresh tuple:
             # this part changes with the clock, so it is not kept).
             done = (now - self.prefill_since) * self.time_scale * prefill_tokens_per_s
-            v = v._replace(queued_prefill_tokens=max(queued - round(done), 0))
+            v = _new_tuple(WorkerView, (v[0], v[1], max(queued - round(done), 0), *v[3:]))
         return v
 
     def describe(self) -> dict[str, object]:

@@ -3,9 +3,10 @@
 //!
 //! For `POST /generate`, `/v1/chat/completions` and `/v1/completions` the server reads the body
 //! and hands it to the Python router (`dp_begin`), which keys it, picks a worker and returns an
-//! *exchange*: an object that says where to send the request (`next`), hears how each attempt
-//! went (`failed`, `whole`, `streaming`, `end`, then `record`) and keeps the accounting. The bytes themselves,
-//! the waiting, the retries' backoff and the streaming back stay here. Every other route (health,
+//! *exchange* with its first attempt: an object that says where to send the request (`next`),
+//! hears how each attempt went (`failed`, `whole`, `streaming`, `end`, and `record`) and keeps
+//! the accounting. The bytes themselves, the waiting, the retries' backoff and the streaming
+//! back stay here. Every other route (health,
 //! metrics, worker management, and generation in PD mode, where `dp_begin` returns `None`) is
 //! passed to the Python application on a private loopback port.
 //!
@@ -401,13 +402,13 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
         if out.is_none() {
             return Ok(Begun::Internal); // PD mode: the Python application serves it
         }
-        if let Ok(t) = out.cast::<PyTuple>() {
-            let (status, body): (u16, Vec<u8>) = t.extract()?;
+        let out = out.cast::<PyTuple>()?;
+        if out.len() == 2 {
+            let (status, body): (u16, Vec<u8>) = out.extract()?;
             return Ok(Begun::Respond(json_response(status, body)));
         }
-        let target: Next = out.call_method0("next")?.extract()?;
-        let stream: bool = out.getattr("stream")?.extract()?;
-        Ok(Begun::Exchange(out.unbind(), target, stream))
+        let (ex, target, stream): (Py<PyAny>, Next, bool) = out.extract()?;
+        Ok(Begun::Exchange(ex, target, stream))
     });
     let (ex, target, stream) = match begun {
         Err(e) => return Ok(Python::attach(|py| router_error(py, e))),
@@ -523,10 +524,13 @@ async fn forward(
                 Ok(Some(first)) => {
                     // Booked before the client sees it, so the accounting never lags what the
                     // client saw; the stream's end is the `Relay`'s to report.
-                    ex.call("streaming", (status,))?;
+                    let inline = raw.len() < RECORD_INLINE_BYTES;
+                    ex.call("streaming", (status, inline))?;
                     let handed = ex.ex.take().expect("exchange present");
                     ex.open = false;
-                    record(Python::attach(|py| handed.clone_ref(py)), raw.len());
+                    if !inline {
+                        record(Python::attach(|py| handed.clone_ref(py)), raw.len());
+                    }
                     let relay = Relay::new(plane.clone(), handed, body, first);
                     return Ok(respond(status, &out_headers, relay.boxed()));
                 }
@@ -544,12 +548,21 @@ async fn forward(
                 continue;
             }
         }
-        ex.call("whole", (status,))?;
+        let inline = raw.len() < RECORD_INLINE_BYTES;
+        ex.call("whole", (status, inline))?;
         ex.open = false;
-        record(ex.ex.take().expect("exchange present"), raw.len());
+        let handed = ex.ex.take().expect("exchange present");
+        if !inline {
+            record(handed, raw.len());
+        }
         return Ok(respond(status, &out_headers, full(data)));
     }
 }
+
+/// Prompts below this size (bytes) are recorded in the index in the same call that books the
+/// answer (`whole` or `streaming`, with `record=True`): a few microseconds before the client has
+/// its answer, and one entry into Python fewer. Larger ones are recorded once it is on its way.
+const RECORD_INLINE_BYTES: usize = 16 << 10;
 
 /// Prompts from this size (bytes) are recorded in the index on a blocking thread: the insert
 /// then runs beside the next requests (it releases the GIL for large prompts) instead of
