@@ -6,7 +6,9 @@ workers, on this machine.
 
 It installs sglang-router 0.3.2 into its own virtualenv (``.bench/sglang-router``), starts two
 mock workers (``benches/mock_worker.py``), then each router in turn in front of them, and measures:
-added latency over calling a worker directly (p50, 1 KB to 512 KB prompts), time to the first
+added latency over calling a worker directly (the median over requests of the difference
+between each prompt sent through the router and the same prompt sent straight to the worker,
+one right after the other, pairs 2 ms apart, 1 KB to 512 KB prompts), time to the first
 streamed chunk, throughput at concurrency 64 with ``wrk`` (1 KB prompts, streaming and not) with
 the router's CPU time per request, and the router's memory after many distinct 16 KB prompts.
 smetric runs twice: with its Rust data plane (the default) and with ``--data-plane aiohttp``.
@@ -35,6 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / ".bench"
 SGLANG_VENV = BENCH / "sglang-router"
 SIZES = {"1 KB": 1 << 10, "16 KB": 16 << 10, "128 KB": 128 << 10, "512 KB": 512 << 10}
+GAP_S = 0.002
+"""Between the latency measurements' request pairs (a client's think time)."""
 
 
 def free_port() -> int:
@@ -88,26 +92,43 @@ def body(size: int, seed: int, stream: bool = False) -> bytes:
     ).encode()
 
 
-async def latencies(url: str, payloads: list[bytes], stream: bool = False) -> list[float]:
+async def added_latencies(
+    url: str, direct: str, payloads: list[bytes], stream: bool = False
+) -> list[float]:
+    """Each payload sent through the router and straight to the worker, one after the other
+    (the order alternating): the latency the router adds to each, measured in pairs so that
+    the machine's drift over the run falls on both sides alike. The pairs are ``GAP_S`` apart,
+    so that work a router does after an answer (sglang-router's tree, smetric's index record)
+    is not timed as part of the next request, on either side of a pair. With ``stream``, the
+    latency is to the first line of the answer."""
+
+    async def once(s: aiohttp.ClientSession, base: str, p: bytes) -> float:
+        t0 = time.perf_counter()
+        async with s.post(
+            base + "/generate", data=p, headers={"Content-Type": "application/json"}
+        ) as r:
+            if stream:
+                await r.content.readline()
+                t = time.perf_counter() - t0
+                await r.read()
+                return t
+            await r.read()
+            return time.perf_counter() - t0
+
     out = []
     async with aiohttp.ClientSession() as s:
-        for p in payloads[:3]:  # warm the connection
-            async with s.post(
-                url + "/generate", data=p, headers={"Content-Type": "application/json"}
-            ) as r:
-                await r.read()
-        for p in payloads:
-            t0 = time.perf_counter()
-            async with s.post(
-                url + "/generate", data=p, headers={"Content-Type": "application/json"}
-            ) as r:
-                if stream:
-                    await r.content.readline()
-                    out.append(time.perf_counter() - t0)
-                    await r.read()
-                else:
-                    await r.read()
-                    out.append(time.perf_counter() - t0)
+        for p in payloads[:3]:  # warm both connections
+            await once(s, url, p)
+            await once(s, direct, p)
+        for i, p in enumerate(payloads):
+            if i % 2:
+                via = await once(s, url, p)
+                base = await once(s, direct, p)
+            else:
+                base = await once(s, direct, p)
+                via = await once(s, url, p)
+            out.append(via - base)
+            await asyncio.sleep(GAP_S)
     return out
 
 
@@ -150,13 +171,11 @@ def measure(name: str, url: str, pid: int, direct: str, quick: bool) -> dict[str
     res: dict[str, object] = {"router": name}
     for label, size in SIZES.items():
         payloads = [body(size, i) for i in range(n_lat)]
-        via = statistics.median(asyncio.run(latencies(url, payloads)))
-        base = statistics.median(asyncio.run(latencies(direct, payloads)))
-        res[f"added_p50_us {label}"] = round((via - base) * 1e6)
+        added = statistics.median(asyncio.run(added_latencies(url, direct, payloads)))
+        res[f"added_p50_us {label}"] = round(added * 1e6)
     payloads = [body(1024, i, stream=True) for i in range(n_lat)]
-    via = statistics.median(asyncio.run(latencies(url, payloads, stream=True)))
-    base = statistics.median(asyncio.run(latencies(direct, payloads, stream=True)))
-    res["added_first_chunk_p50_us"] = round((via - base) * 1e6)
+    added = statistics.median(asyncio.run(added_latencies(url, direct, payloads, stream=True)))
+    res["added_first_chunk_p50_us"] = round(added * 1e6)
     seconds = 5 if quick else 10
     for stream in (False, True):
         label = "stream" if stream else "plain"
