@@ -3,13 +3,17 @@
 //! `smetric.request.view_request` (Python, over the parsed body) is the reference; this module
 //! produces the same prompt (the chat serialization its docstring describes, the text, or the
 //! token ids) and the same few facts, without building Python objects for a body that is mostly
-//! two or three long strings. One pass validates the body as JSON and decodes every string into
-//! one buffer; the key is then put together from slices of it.
+//! two or three long strings. One pass validates the body as JSON; a string without escapes is
+//! used where it lies in the body, and the others are decoded into one buffer. The key is then
+//! put together from slices of the two; a text prompt that is one string is not copied at all
+//! (or, if it had escapes, is its decoded text, moved out of the buffer).
 //!
 //! It answers only when it is sure: anything the reference would reject, and anything whose
 //! Python value is awkward to reproduce (floats in serialized JSON, integers beyond 64 bits,
 //! lone surrogates, deep nesting, non-string `tool_call_id`s), yields `None`, and the caller
 //! takes the reference path, which then gives the answer or the error.
+
+use std::borrow::Cow;
 
 /// Which API a body belongs to (the reference's `api` argument).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,16 +25,17 @@ pub enum Api {
 
 /// A body's prompt, ready to key.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Prompt {
-    /// UTF-8 text (for chat, the serialization of tools and messages).
-    Text(Vec<u8>),
+pub enum Prompt<'a> {
+    /// UTF-8 text (for chat, the serialization of tools and messages); borrowed from the body
+    /// where it is a string there without escapes.
+    Text(Cow<'a, [u8]>),
     Tokens(Vec<u32>),
 }
 
 /// What the fast path reads from a body.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct BodyView {
-    pub prompt: Prompt,
+pub struct BodyView<'a> {
+    pub prompt: Prompt<'a>,
     /// `None`: the body names no limit (the caller applies its default).
     pub max_new_tokens: Option<u64>,
     pub stream: bool,
@@ -41,11 +46,13 @@ pub struct BodyView {
 /// Nesting beyond this is left to the reference (whose parsers allow more).
 const MAX_DEPTH: usize = 128;
 
-/// A decoded string: a range of `Doc::text`.
+/// A string's decoded bytes: a range of the body (for a string without escapes, which is its
+/// own decoding) or of `Doc::text`.
 #[derive(Clone, Copy, Debug)]
 struct Span {
     start: usize,
     end: usize,
+    decoded: bool,
 }
 
 #[derive(Debug)]
@@ -60,15 +67,29 @@ enum Value<'a> {
     Object(Vec<(Span, Value<'a>)>),
 }
 
-/// A parsed body: its value tree, and the decoded text of all its strings.
+/// A parsed body: its value tree, the body, and the decoded text of its strings with escapes.
 struct Doc<'a> {
     root: Value<'a>,
+    body: &'a [u8],
     text: Vec<u8>,
 }
 
 impl<'a> Doc<'a> {
     fn str(&self, s: Span) -> &[u8] {
-        &self.text[s.start..s.end]
+        let from = if s.decoded { &self.text[..] } else { self.body };
+        &from[s.start..s.end]
+    }
+
+    /// String `s`, to keep beyond the doc: borrowed from the body, or its decoded text moved
+    /// out of `text` (where it usually starts, as keys seldom have escapes).
+    fn into_str(self, s: Span) -> Cow<'a, [u8]> {
+        if !s.decoded {
+            return Cow::Borrowed(&self.body[s.start..s.end]);
+        }
+        let mut text = self.text;
+        text.truncate(s.end);
+        text.drain(..s.start);
+        Cow::Owned(text)
     }
 
     /// The member of `object` named `key` (the last one, as in a dict parsed from the body).
@@ -125,18 +146,20 @@ fn truthy(v: &Value<'_>) -> Option<bool> {
 
 // ---- parsing -----------------------------------------------------------------------------
 
-/// Bytes a string scan looks at in one step.
-const CHUNK: usize = 16;
+/// Bytes a string scan checks at once: one SSE2 register's worth.
+const LANE: usize = 16;
+/// Bytes a string scan takes in one step (of whole lanes).
+const CHUNK: usize = 2 * LANE;
 
-/// A bit per byte of `chunk` (bit `i` for byte `i`) that is `"`, `\` or a control character
+/// A bit per byte of `lane` (bit `i` for byte `i`) that is `"`, `\` or a control character
 /// (below 0x20): the bytes a string scan must stop at; and a bit per byte that is not ASCII.
 #[cfg(target_arch = "x86_64")]
 #[inline]
-fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
+fn string_stops(lane: [u8; LANE]) -> (u32, u32) {
     use std::arch::x86_64::{
         __m128i, _mm_cmpeq_epi8, _mm_max_epu8, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
     };
-    let v: __m128i = bytemuck::cast(chunk);
+    let v: __m128i = bytemuck::cast(lane);
     // SAFETY: these intrinsics only need SSE2, which every x86_64 CPU has (it is part of the
     // architecture's baseline), and they touch no memory: only the value `v`.
     let (stops, high) = unsafe {
@@ -152,13 +175,53 @@ fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
 
 #[cfg(not(target_arch = "x86_64"))]
 #[inline]
-fn string_stops(chunk: [u8; CHUNK]) -> (u32, u32) {
+fn string_stops(lane: [u8; LANE]) -> (u32, u32) {
     let (mut stops, mut high) = (0u32, 0u32);
-    for (i, &b) in chunk.iter().enumerate() {
+    for (i, &b) in lane.iter().enumerate() {
         stops |= u32::from(b == b'"' || b == b'\\' || b < 0x20) << i;
         high |= u32::from(b >= 0x80) << i;
     }
     (stops, high)
+}
+
+/// Where the run of string bytes from `pos` ends: at the first `"`, `\` or control character,
+/// or at the body's end. `high` is made non-zero if the run has a byte beyond ASCII (and may be
+/// by one just past it, in the same lane: harmless, as it only decides whether the string is
+/// checked to be UTF-8).
+#[inline]
+fn clean_run(bytes: &[u8], mut pos: usize, high: &mut u32) -> usize {
+    while let Some(chunk) = bytes.get(pos..pos + CHUNK) {
+        for (i, lane) in chunk.chunks_exact(LANE).enumerate() {
+            let (stops, lane_high) = string_stops(lane.try_into().expect("a whole lane"));
+            *high |= lane_high;
+            if stops != 0 {
+                return pos + i * LANE + stops.trailing_zeros() as usize;
+            }
+        }
+        pos += CHUNK;
+    }
+    // The body's last few bytes.
+    while let Some(&b) = bytes.get(pos) {
+        if matches!(b, b'"' | b'\\' | 0..=0x1f) {
+            break;
+        }
+        *high |= u32::from(b >= 0x80);
+        pos += 1;
+    }
+    pos
+}
+
+/// Appends `bytes[run..end]` to `text`. A short run (the usual one between escapes) is copied
+/// as a whole chunk and then cut to length, which compiles to a few moves instead of a call.
+#[inline]
+fn push_run(text: &mut Vec<u8>, bytes: &[u8], run: usize, end: usize) {
+    match bytes.get(run..run + CHUNK) {
+        Some(chunk) if end - run <= CHUNK => {
+            text.extend_from_slice(chunk);
+            text.truncate(text.len() - (run + CHUNK - end));
+        }
+        _ => text.extend_from_slice(&bytes[run..end]),
+    }
 }
 
 fn hex4(b: &[u8]) -> Option<u32> {
@@ -263,68 +326,71 @@ impl<'a> Parser<'a> {
         }
     }
 
-    /// Decodes a string into `text`, from just after its opening quote; leaves `pos` after the
-    /// closing one. Chunks are copied before they are checked: what follows a stop is cut off.
-    /// Strings are the only place JSON allows bytes beyond ASCII; a string that has any is
-    /// checked to be UTF-8.
+    /// Reads a string, from just after its opening quote; leaves `pos` after the closing one.
+    /// Until its first escape, a string is only scanned; from there on, it is decoded into
+    /// `text`, each run between escapes copied as it is. Strings are the only place JSON allows
+    /// bytes beyond ASCII; a string that has any is checked to be UTF-8.
     fn string(&mut self) -> Option<Span> {
         let bytes = self.bytes;
-        let start = self.text.len();
         let raw_start = self.pos;
-        let mut high = 0u32;
-        let mut pos = self.pos;
-        let text = &mut self.text;
+        let mut high = 0;
+        let mut pos = clean_run(bytes, raw_start, &mut high);
+        // Where the string starts in `text`, once it has had an escape.
+        let mut decoded: Option<usize> = None;
+        // The start of the bytes not yet copied to `text` (once decoding).
+        let mut run = raw_start;
         loop {
-            while let Some(chunk) = bytes.get(pos..pos + CHUNK) {
-                let chunk: [u8; CHUNK] = chunk.try_into().expect("a whole chunk");
-                text.extend_from_slice(&chunk);
-                let (stops, chunk_high) = string_stops(chunk);
-                high |= chunk_high;
-                if stops != 0 {
-                    let clean = stops.trailing_zeros() as usize;
-                    text.truncate(text.len() - CHUNK + clean);
-                    pos += clean;
-                    break;
-                }
-                pos += CHUNK;
-            }
             match *bytes.get(pos)? {
                 b'"' => {
                     if high != 0 {
                         std::str::from_utf8(&bytes[raw_start..pos]).ok()?;
                     }
                     self.pos = pos + 1;
+                    let Some(start) = decoded else {
+                        return Some(Span {
+                            start: raw_start,
+                            end: pos,
+                            decoded: false,
+                        });
+                    };
+                    push_run(&mut self.text, bytes, run, pos);
                     return Some(Span {
                         start,
-                        end: text.len(),
+                        end: self.text.len(),
+                        decoded: true,
                     });
                 }
                 b'\\' => {
+                    if decoded.is_none() {
+                        // Decoded text is never longer than what it decodes: from the first
+                        // escape on, room for the rest of the body is room enough.
+                        self.text.reserve(bytes.len() - raw_start);
+                        decoded = Some(self.text.len());
+                    }
+                    let text = &mut self.text;
+                    push_run(text, bytes, run, pos);
                     // The common escapes inline; \u escapes out of line.
-                    let decoded = match *bytes.get(pos + 1)? {
-                        b'n' => b'\n',
-                        b'"' => b'"',
-                        b'\\' => b'\\',
-                        b't' => b'\t',
-                        b'r' => b'\r',
-                        b'/' => b'/',
-                        b'b' => 0x08,
-                        b'f' => 0x0c,
-                        b'u' => {
-                            pos = unicode_escape(bytes, pos, text)?;
-                            continue;
+                    match *bytes.get(pos + 1)? {
+                        b'u' => pos = unicode_escape(bytes, pos, text)?,
+                        escape => {
+                            text.push(match escape {
+                                b'n' => b'\n',
+                                b'"' => b'"',
+                                b'\\' => b'\\',
+                                b't' => b'\t',
+                                b'r' => b'\r',
+                                b'/' => b'/',
+                                b'b' => 0x08,
+                                b'f' => 0x0c,
+                                _ => return None,
+                            });
+                            pos += 2;
                         }
-                        _ => return None,
-                    };
-                    text.push(decoded);
-                    pos += 2;
+                    }
+                    run = pos;
+                    pos = clean_run(bytes, pos, &mut high);
                 }
-                0..=0x1f => return None,
-                b => {
-                    high |= u32::from(b >= 0x80);
-                    text.push(b);
-                    pos += 1;
-                }
+                _ => return None, // a control character
             }
         }
     }
@@ -398,12 +464,15 @@ fn parse(body: &[u8]) -> Option<Doc<'_>> {
     let mut p = Parser {
         bytes: body,
         pos: 0,
-        // Decoded strings are never longer than the body; the slack takes a whole last chunk.
-        text: Vec::with_capacity(body.len() + CHUNK),
+        text: Vec::new(),
     };
     let root = p.value(0)?;
     p.skip_ws();
-    (p.pos == body.len()).then_some(Doc { root, text: p.text })
+    (p.pos == body.len()).then_some(Doc {
+        root,
+        body,
+        text: p.text,
+    })
 }
 
 // ---- the reference's compact JSON (orjson, sorted keys) --------------------------------
@@ -590,7 +659,7 @@ fn chat(doc: &Doc<'_>, out: &mut Vec<u8>) -> Option<bool> {
     Some(!roles.iter().any(|r| *r == b"assistant" || *r == b"tool"))
 }
 
-fn generate(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
+fn generate(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
     let root = &doc.root;
     let params = match doc.get(root, b"sampling_params") {
         Some(p @ Value::Object(_)) => Some(p),
@@ -612,8 +681,8 @@ fn generate(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
                 }
                 other => other,
             };
-            let Value::Str(s) = text else { return None };
-            Prompt::Text(doc.str(*s).to_vec())
+            let &Value::Str(s) = text else { return None };
+            Prompt::Text(doc.into_str(s))
         }
         (None, Some(ids)) => {
             let ids = match ids {
@@ -628,12 +697,12 @@ fn generate(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
     Some((prompt, max_new))
 }
 
-fn completions(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
+fn completions(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
     let max_new = limit(doc.get(&doc.root, b"max_tokens"))?;
     let prompt = match doc.get(&doc.root, b"prompt")? {
-        Value::Str(s) => Prompt::Text(doc.str(*s).to_vec()),
+        &Value::Str(s) => Prompt::Text(doc.into_str(s)),
         Value::Array(items) => match items.first()? {
-            Value::Str(s) => Prompt::Text(doc.str(*s).to_vec()),
+            &Value::Str(s) => Prompt::Text(doc.into_str(s)),
             Value::Number(_) => Prompt::Tokens(token_list(items)?),
             _ => return None,
         },
@@ -644,7 +713,7 @@ fn completions(doc: &Doc<'_>) -> Option<(Prompt, Option<u64>)> {
 
 /// What the reference would make of `body` for `api`, or `None` where the reference must decide
 /// (including every body it rejects).
-pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView> {
+pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView<'_>> {
     let doc = parse(body)?;
     if !matches!(doc.root, Value::Object(_)) {
         return None;
@@ -655,20 +724,20 @@ pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView> {
     };
     let (prompt, max_new_tokens, is_first_turn) = match api {
         Api::Chat => {
-            let mut text = Vec::with_capacity(doc.text.len() + 4096);
+            let mut text = Vec::with_capacity(body.len() + 4096);
             let first = chat(&doc, &mut text)?;
             let max_new = match doc.get(&doc.root, b"max_completion_tokens") {
                 Some(value) => limit(Some(value))?,
                 None => limit(doc.get(&doc.root, b"max_tokens"))?,
             };
-            (Prompt::Text(text), max_new, Some(first))
+            (Prompt::Text(text.into()), max_new, Some(first))
         }
         Api::Generate => {
-            let (prompt, max_new) = generate(&doc)?;
+            let (prompt, max_new) = generate(doc)?;
             (prompt, max_new, None)
         }
         Api::Completions => {
-            let (prompt, max_new) = completions(&doc)?;
+            let (prompt, max_new) = completions(doc)?;
             (prompt, max_new, None)
         }
     };
@@ -686,7 +755,7 @@ mod tests {
 
     fn text(api: Api, body: &str) -> Vec<u8> {
         match view_body(api, body.as_bytes()).expect("fast path").prompt {
-            Prompt::Text(t) => t,
+            Prompt::Text(t) => t.into_owned(),
             Prompt::Tokens(_) => panic!("expected text"),
         }
     }
@@ -731,7 +800,7 @@ mod tests {
         assert_eq!(view.max_new_tokens, Some(7));
         assert_eq!(
             view.prompt,
-            Prompt::Text(b"<|tools|>[{\"k\":2}]\n<|user|>x\n".to_vec())
+            Prompt::Text(b"<|tools|>[{\"k\":2}]\n<|user|>x\n".to_vec().into())
         );
     }
 
@@ -752,7 +821,7 @@ mod tests {
             br#"{"prompt":["hi","there"],"max_tokens":0}"#,
         )
         .unwrap();
-        assert_eq!(v.prompt, Prompt::Text(b"hi".to_vec()));
+        assert_eq!(v.prompt, Prompt::Text(b"hi".to_vec().into()));
         assert_eq!(v.max_new_tokens, Some(0));
     }
 
@@ -799,6 +868,33 @@ mod tests {
         assert_eq!(view_body(Api::Completions, &long), None);
         assert_eq!(view_body(Api::Completions, b"{\"prompt\":\"a\"}\xff"), None);
         assert!(view_body(Api::Completions, "{\"prompt\":\"é\"}".as_bytes()).is_some());
+    }
+
+    #[test]
+    fn strings_without_escapes_stay_in_the_body_and_others_decode_whole() {
+        fn prompt(api: Api, body: &str) -> Prompt<'_> {
+            view_body(api, body.as_bytes()).expect("fast path").prompt
+        }
+        let body = r#"{"sampling_params":{"stop":"a\nb"},"text":"plain","stream":true}"#;
+        assert!(matches!(
+            prompt(Api::Generate, body),
+            Prompt::Text(Cow::Borrowed(b"plain"))
+        ));
+        // A prompt with escapes after other decoded strings (here a key, too).
+        let body = r#"{"sampling_params":{"stop":"a\nb"},"te\u0078t":"x\ty\"z\u00e9"}"#;
+        assert_eq!(
+            prompt(Api::Generate, body),
+            Prompt::Text("x\ty\"z\u{e9}".as_bytes().into())
+        );
+        let body = r#"{"prompt":["p\/q","r"],"max_tokens":3}"#;
+        assert_eq!(prompt(Api::Completions, body), Prompt::Text(b"p/q".into()));
+        // Runs of every length between escapes, and strings ending in the body's last bytes.
+        for tail in ["", r"\n", r"ab\\"] {
+            let content: String = (0..100).map(|n| "x".repeat(n) + r"\n").collect();
+            let body = format!(r#"{{"max_tokens":1,"prompt":"{content}{tail}"}}"#);
+            let expected = (content + tail).replace(r"\n", "\n").replace(r"\\", "\\");
+            assert_eq!(text(Api::Completions, &body), expected.into_bytes());
+        }
     }
 
     #[test]
