@@ -8,7 +8,7 @@ It installs sglang-router 0.3.2 into its own virtualenv (``.bench/sglang-router`
 mock workers (``benches/mock_worker.py``), then each router in turn in front of them, and measures:
 added latency over calling a worker directly (the median over requests of the difference
 between each prompt sent through the router and the same prompt sent straight to the worker,
-one right after the other, pairs 2 ms apart, 1 KB to 512 KB prompts), time to the first
+one right after the other, 1 KB to 512 KB prompts), time to the first
 streamed chunk, throughput at concurrency 64 with ``wrk`` (1 KB prompts, streaming and not) with
 the router's CPU time per request, and the router's memory after many distinct 16 KB prompts.
 smetric runs twice: with its Rust data plane (the default) and with ``--data-plane aiohttp``.
@@ -37,8 +37,6 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / ".bench"
 SGLANG_VENV = BENCH / "sglang-router"
 SIZES = {"1 KB": 1 << 10, "16 KB": 16 << 10, "128 KB": 128 << 10, "512 KB": 512 << 10}
-GAP_S = 0.002
-"""Between the latency measurements' request pairs (a client's think time)."""
 
 
 def free_port() -> int:
@@ -97,10 +95,10 @@ async def added_latencies(
 ) -> list[float]:
     """Each payload sent through the router and straight to the worker, one after the other
     (the order alternating): the latency the router adds to each, measured in pairs so that
-    the machine's drift over the run falls on both sides alike. The pairs are ``GAP_S`` apart,
-    so that work a router does after an answer (sglang-router's tree, smetric's index record)
-    is not timed as part of the next request, on either side of a pair. With ``stream``, the
-    latency is to the first line of the answer."""
+    the machine's drift over the run falls on both sides alike. Requests go back to back: a
+    pause between them lets this VM's idle vCPUs halt, and waking them adds hundreds of
+    microseconds per hop, which would measure the VM rather than the router. With ``stream``,
+    the latency is to the first line of the answer."""
 
     async def once(s: aiohttp.ClientSession, base: str, p: bytes) -> float:
         t0 = time.perf_counter()
@@ -128,7 +126,6 @@ async def added_latencies(
                 base = await once(s, direct, p)
                 via = await once(s, url, p)
             out.append(via - base)
-            await asyncio.sleep(GAP_S)
     return out
 
 

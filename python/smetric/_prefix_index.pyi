@@ -144,11 +144,17 @@ class PrefixIndex:
     def __contains__(self, name: str) -> bool: ...
     @property
     def has_global_tier(self) -> bool: ...
-    def insert(self, instance: str, keys: BlockKeys) -> int:
+    def insert(self, instance: str, keys: BlockKeys, step: int | None = None) -> int:
         """Records that ``instance`` holds the whole prompt (as a cache does once it has served
         it): every block of it becomes the most recently used, then the instance is evicted down
         to capacity (least recently used leaves first; a prompt longer than the capacity keeps
-        its leading blocks). Returns the blocks newly held, counted before eviction."""
+        its leading blocks). Returns the blocks newly held, counted before eviction.
+
+        With ``step``, the prompt goes in ``step`` blocks at a time (each step inserting it up to
+        its end) and the index's lock passes, between steps, to any call waiting for it: a match
+        then waits for one step, not for the whole of a long prompt. The end state is the same,
+        but the call is not atomic: an error leaves the steps before it in place, and blocks that
+        eviction took between steps count again when a later step brings them back."""
     def remove(self, instance: str, keys: BlockKeys) -> int:
         """Drops each named block from ``instance``, with everything it holds below that block (a
         page whose parent is gone cannot be reused). Keys may come in any order and need not be a

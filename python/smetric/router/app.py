@@ -93,6 +93,11 @@ Attempt = tuple[str, list[tuple[str, str]], list[tuple[str, str]]]
 """An attempt: the worker's URL, the headers to send it, the headers for the client."""
 
 
+RECORD_STEP_BLOCKS = 1024
+"""A prompt's blocks are recorded in the index this many at a time, so that the next request's
+match waits for one step (tens of microseconds) rather than a whole long prompt's record."""
+
+
 class Exchange:
     """One client request through the router: the workers it tries, the accounting of each
     attempt, and what the client is told. Two data planes drive it through the same steps, the
@@ -833,7 +838,7 @@ class Router:
         """The worker took the request: it will hold the prompt once it has served it, and
         write it through to the global tier."""
         with contextlib.suppress(KeyError):  # the worker was removed meanwhile
-            self.index.insert(worker.url, view.key.keys)
+            self.index.insert(worker.url, view.key.keys, step=RECORD_STEP_BLOCKS)
         if self.config.global_tier:
             self.index.insert(GLOBAL_TIER, view.key.keys)
 

@@ -333,6 +333,12 @@ impl PrefixIndex {
         pos
     }
 
+    /// The leading blocks of `keys` that are in the tree (held by some instance or the global
+    /// tier): those an insert of `keys` walks rather than adds.
+    pub fn known_prefix(&self, keys: &[u64]) -> usize {
+        self.walk(keys, &mut Vec::new())
+    }
+
     /// The leading blocks of `keys` each instance holds (no LRU touch).
     pub fn match_all(&self, keys: &[u64]) -> MatchResult {
         let mut path = Vec::new();

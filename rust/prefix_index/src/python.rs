@@ -1,9 +1,10 @@
-//! pyo3 bindings: `smetric._prefix_index`. Every call that hashes or walks releases the GIL; the
-//! index sits behind a read-write lock, so one object can serve many threads.
+//! pyo3 bindings: `smetric._prefix_index`. Long hashing and inserting release the GIL, and so
+//! does waiting for the index: it sits behind a read-write lock, so one object can serve many
+//! threads.
 
 use std::collections::HashSet;
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::marker::Ungil;
@@ -382,14 +383,39 @@ pub struct PyPrefixIndex {
 }
 
 impl PyPrefixIndex {
+    // The lock does not poison: a panic in here is a bug, already raised to its caller as
+    // PanicException, and later calls keep working.
     fn read(&self) -> RwLockReadGuard<'_, PrefixIndex> {
-        // A panic in here is a bug, already raised to its caller as PanicException; later calls
-        // keep working rather than all failing on the poisoned lock.
-        self.inner.read().unwrap_or_else(|e| e.into_inner())
+        self.inner.read()
     }
 
     fn write(&self) -> RwLockWriteGuard<'_, PrefixIndex> {
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+        self.inner.write()
+    }
+
+    /// `f` under the read lock, keeping the GIL (a match is microseconds of work, less than a
+    /// hand-over of the GIL) unless the lock is taken: then the wait is without the GIL.
+    fn with_read<T: Ungil>(
+        &self,
+        py: Python<'_>,
+        f: impl Ungil + Send + FnOnce(&PrefixIndex) -> T,
+    ) -> T {
+        match self.inner.try_read() {
+            Some(index) => f(&index),
+            None => py.detach(|| f(&self.read())),
+        }
+    }
+
+    /// `with_read` for calls that change the index (a touching match).
+    fn with_write<T: Ungil>(
+        &self,
+        py: Python<'_>,
+        f: impl Ungil + Send + FnOnce(&mut PrefixIndex) -> T,
+    ) -> T {
+        match self.inner.try_write() {
+            Some(mut index) => f(&mut index),
+            None => py.detach(|| f(&mut self.write())),
+        }
     }
 }
 
@@ -447,15 +473,36 @@ impl PyPrefixIndex {
         self.read().has_global_tier()
     }
 
+    #[pyo3(signature = (instance, keys, step = None))]
     fn insert(
         &self,
         py: Python<'_>,
         instance: &str,
         keys: &Bound<'_, PyBlockKeys>,
+        step: Option<i64>,
     ) -> PyResult<u64> {
         let keys = &keys.get().keys;
+        let step = match step {
+            Some(step) => positive("step", step)?,
+            None => keys.len().max(1),
+        };
         maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
-            self.write().insert(instance, keys)
+            // Each step inserts the prompt up to its end (what earlier steps put in is only
+            // walked again), then hands the lock to whichever call waits for it, if any. The
+            // first step takes in all the blocks already in the tree, so that the steps end only
+            // inside the blocks this insert adds: a step ending inside a node that others hold
+            // would split it.
+            let mut index = self.write();
+            let mut added = 0;
+            let mut end = index.known_prefix(keys);
+            loop {
+                end = (end + step).min(keys.len());
+                added += index.insert(instance, &keys[..end])?;
+                if end == keys.len() {
+                    return Ok(added);
+                }
+                RwLockWriteGuard::bump(&mut index);
+            }
         })
         .map_err(index_error)
     }
@@ -479,13 +526,11 @@ impl PyPrefixIndex {
     #[pyo3(name = "match", signature = (keys, touch = true))]
     fn match_all(&self, py: Python<'_>, keys: &Bound<'_, PyBlockKeys>, touch: bool) -> PyMatch {
         let keys = &keys.get().keys;
-        let result = maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
-            if touch {
-                self.write().match_all_touch(keys)
-            } else {
-                self.read().match_all(keys)
-            }
-        });
+        let result = if touch {
+            self.with_write(py, |index| index.match_all_touch(keys))
+        } else {
+            self.with_read(py, |index| index.match_all(keys))
+        };
         PyMatch {
             blocks: result.blocks,
             global_blocks: result.global_blocks,
@@ -502,12 +547,10 @@ impl PyPrefixIndex {
         touch: bool,
     ) -> PyResult<u32> {
         let keys = &keys.get().keys;
-        maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
-            if touch {
-                self.write().match_instance_touch(instance, keys)
-            } else {
-                self.read().match_instance(instance, keys)
-            }
+        (if touch {
+            self.with_write(py, |index| index.match_instance_touch(instance, keys))
+        } else {
+            self.with_read(py, |index| index.match_instance(instance, keys))
         })
         .map_err(index_error)
     }
