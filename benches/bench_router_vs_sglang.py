@@ -200,7 +200,9 @@ def main() -> None:
     ports = [free_port(), free_port()]
     mocks = [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "benches" / "mock_worker.py"), "--port", str(p)]
+            [sys.executable, str(ROOT / "benches" / "mock_worker.py"), "--port", str(p)],
+            # wrk's connections close mid-stream when a run ends: aiohttp logs each; not news.
+            stderr=subprocess.DEVNULL,
         )
         for p in ports
     ]
