@@ -17,6 +17,7 @@ from aiohttp import web
 from smetric.emulator import EmulatedCluster
 from smetric.perf import PRESETS
 from smetric.policies import POLICIES
+from smetric.request import view_request
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
@@ -916,8 +917,8 @@ class PacedStream:
     """A worker that streams one event, waits until the test lets it go on (``go``), then sends
     a burst of ``burst`` events at once and ``[DONE]``."""
 
-    def __init__(self, burst: int) -> None:
-        self.burst = burst
+    def __init__(self, burst: int, event: bytes = b'data: {"text": "%d"}\n\n', wait_s: float = 5):
+        self.burst, self.event, self.wait_s = burst, event, wait_s
         self.go = asyncio.Event()
 
     def app(self) -> web.Application:
@@ -928,9 +929,9 @@ class PacedStream:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             await resp.write(b'data: {"text": "first"}\n\n')
-            await asyncio.wait_for(self.go.wait(), 5)
+            await asyncio.wait_for(self.go.wait(), self.wait_s)
             for i in range(self.burst):
-                await resp.write(b'data: {"text": "%d"}\n\n' % i)
+                await resp.write(self.event % i)
             await resp.write(b"data: [DONE]\n\n")
             return resp
 
@@ -967,3 +968,90 @@ def test_a_stream_passes_each_event_on_as_it_arrives_and_a_burst_whole():
     assert first == b'data: {"text": "first"}'
     assert rest == [b'data: {"text": "%d"}' % i for i in range(200)] + [b"data: [DONE]"]
     assert in_flight == 0
+
+
+async def paced(
+    worker: PacedStream,
+    test: Callable[[Router, str, aiohttp.ClientSession], Awaitable[Any]],
+    **config: Any,
+) -> Any:
+    runner, url = await serve_app(worker.app())
+    router, rrunner, base = await start_router(RouterConfig(worker_urls=[url], **config))
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await test(router, base, session)
+    finally:
+        await rrunner.close()
+        await runner.cleanup()
+
+
+def test_a_worker_that_goes_quiet_mid_stream_ends_it_with_an_error_event():
+    worker = PacedStream(burst=1, wait_s=1.0)  # never told to go on: silent after one event
+
+    async def test(router: Router, base: str, session: aiohttp.ClientSession):
+        async with session.post(base + "/generate", json={"text": "a", "stream": True}) as r:
+            lines = [line.strip() async for line in r.content if line.strip()]
+        w = next(iter(router.workers.values()))
+        return lines, w.in_flight, w.errors_total
+
+    lines, in_flight, errors = asyncio.run(paced(worker, test, request_timeout_secs=0.3))
+    assert lines[0] == b'data: {"text": "first"}'
+    assert json.loads(lines[1][6:])["error"]["code"] == 502
+    assert lines[2:] == [b"data: [DONE]"]
+    assert in_flight == 0 and errors == 1
+
+
+def test_a_burst_larger_than_a_write_arrives_whole_and_in_order():
+    event = b'data: {"text": "%d ' + b"x" * 1000 + b'"}\n\n'
+    worker = PacedStream(burst=300, event=event)  # ~300 KB at once
+    worker.go.set()
+
+    async def test(router: Router, base: str, session: aiohttp.ClientSession):
+        async with session.post(base + "/generate", json={"text": "a", "stream": True}) as r:
+            return await r.read()
+
+    body = asyncio.run(paced(worker, test))
+    expected = b'data: {"text": "first"}\n\n' + b"".join(event % i for i in range(300))
+    assert body == expected + b"data: [DONE]\n\n"
+
+
+def test_stopping_the_router_with_a_stream_open_releases_its_accounting():
+    worker = PacedStream(burst=1, wait_s=2.0)
+
+    async def main():
+        runner, url = await serve_app(worker.app())
+        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
+        try:
+            async with aiohttp.ClientSession() as session:
+                r = await session.post(base + "/generate", json={"text": "a", "stream": True})
+                await r.content.readline()
+                during = router.workers[url].in_flight
+                await rrunner.close()  # the router stops while the stream is open
+                r.close()
+            return during, router.workers[url].in_flight
+        finally:
+            await runner.cleanup()
+
+    during, after = asyncio.run(main())
+    assert (during, after) == (1, 0)
+
+
+@pytest.mark.parametrize("size", [1 << 10, 20 << 10])  # recorded with the booking; after it
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_index_learns_a_served_prompt(size, stream):
+    text = "".join(f"line {i} of a tool's output\n" for i in range(size // 26 + 1))[:size]
+
+    async def test(bed: Bed, capture: CaptureWorker):
+        body = {"text": text, "stream": stream}
+        async with bed.session.post(bed.base + "/generate", json=body) as r:
+            await r.read()
+            url = r.headers["X-SMetric-Worker"]
+        view = view_request("generate", body)
+        for _ in range(100):  # a prompt from 16 KB is recorded just after the answer
+            if bed.router.index.match_instance(url, view.key.keys, touch=False):
+                break
+            await asyncio.sleep(0.01)
+        return bed.router.index.match_instance(url, view.key.keys, touch=False), len(view.key.keys)
+
+    held, blocks = with_capture(test)
+    assert held == blocks > 0

@@ -150,9 +150,10 @@ class PrefixIndex:
         to capacity (least recently used leaves first; a prompt longer than the capacity keeps
         its leading blocks). Returns the blocks newly held, counted before eviction.
 
-        With ``step``, the prompt goes in ``step`` blocks at a time (each step inserting it up to
-        its end) and the index's lock passes, between steps, to any call waiting for it: a match
-        then waits for one step, not for the whole of a long prompt. The end state is the same,
+        With ``step``, the prompt goes in steps (the first takes in the blocks already in the
+        index and ``step`` new ones, each later one ``step`` more) and the index's lock passes,
+        between steps, to any call waiting for it: a match then waits for one step, not for the
+        whole of a long prompt. The end state is the same,
         but the call is not atomic: an error leaves the steps before it in place, and blocks that
         eviction took between steps count again when a later step brings them back."""
     def remove(self, instance: str, keys: BlockKeys) -> int:
@@ -181,8 +182,9 @@ class DataPlane:
     """The router's data plane (Rust: tokio and hyper): an HTTP/1.1 server for clients and a
     pooled client for workers. Generation requests are read here and handed to
     ``router.dp_begin(path, body, headers, read_s)``, which returns an exchange (see
-    ``smetric.router.app.Exchange``), an error ``(status, json_body)``, or None to pass the
-    request to the Python application at ``internal_url``, as every other route is."""
+    ``smetric.router.app.Exchange``) with its first attempt and whether the client streams
+    (``(exchange, attempt or None, stream)``), an error ``(status, json_body)``, or None to pass
+    the request to the Python application at ``internal_url``, as every other route is."""
 
     def __init__(
         self,

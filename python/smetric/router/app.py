@@ -250,9 +250,14 @@ class Exchange:
         """After a 200: the worker will hold the prompt once it has served it, and write it
         through to the global tier; the index learns so (``Router._predict_cache``). Apart
         from the rest because it is the one step whose cost grows with the prompt: the Rust data
-        plane runs it once the answer is on its way."""
+        plane runs it once the answer is on its way, or with the booking for a small prompt.
+        A prediction that fails (a key conflict in the index) is logged, and the answer
+        stands."""
         if self.status == 200 and self.worker is not None:
-            self.router._predict_cache(self.worker, self.view)
+            try:
+                self.router._predict_cache(self.worker, self.view)
+            except Exception:
+                log.exception("index record failed rid=%s worker=%s", self.rid, self.worker.url)
 
     @property
     def stream(self) -> bool:
@@ -840,7 +845,7 @@ class Router:
         with contextlib.suppress(KeyError):  # the worker was removed meanwhile
             self.index.insert(worker.url, view.key.keys, step=RECORD_STEP_BLOCKS)
         if self.config.global_tier:
-            self.index.insert(GLOBAL_TIER, view.key.keys)
+            self.index.insert(GLOBAL_TIER, view.key.keys, step=RECORD_STEP_BLOCKS)
 
     def _observe_tpot(self, worker: Worker, decision: Decision, events: int, span_s: float) -> None:
         """A stream's mean time between tokens, reported to the policy. The first event is the

@@ -121,8 +121,9 @@ fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
 /// the worker stops generating.
 ///
 /// Chunks that have already reached the router go out together: when the worker's body has
-/// nothing ready but this body holds data, it yields to the runtime once (so the worker
-/// connection's task can hand over what it has read) before answering with what it holds.
+/// nothing ready but this body holds data, it yields to the runtime (up to `RELAY_YIELDS` times,
+/// so the worker connection's task can hand over what it has read) before answering with what
+/// it holds.
 /// Nothing waits for bytes still on the wire, so each chunk still leaves as soon as it arrives;
 /// what is saved is a write (a system call and a TCP segment) per chunk.
 struct Relay {

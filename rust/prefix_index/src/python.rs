@@ -1,6 +1,6 @@
 //! pyo3 bindings: `smetric._prefix_index`. Long hashing and inserting release the GIL, and so
-//! does waiting for the index: it sits behind a read-write lock, so one object can serve many
-//! threads.
+//! do a match and an insert that have to wait for the index: it sits behind a read-write lock,
+//! so one object can serve many threads.
 
 use std::collections::HashSet;
 
@@ -394,7 +394,8 @@ impl PyPrefixIndex {
     }
 
     /// `f` under the read lock, keeping the GIL (a match is microseconds of work, less than a
-    /// hand-over of the GIL) unless the lock is taken: then the wait is without the GIL.
+    /// hand-over of the GIL, and tens of them for a prompt of 100,000 blocks) unless the lock is
+    /// taken: then the wait is without the GIL.
     fn with_read<T: Ungil>(
         &self,
         py: Python<'_>,
@@ -486,13 +487,21 @@ impl PyPrefixIndex {
             Some(step) => positive("step", step)?,
             None => keys.len().max(1),
         };
-        maybe_detach(py, keys.len(), DETACH_MIN_BLOCKS, || {
+        if keys.len() < DETACH_MIN_BLOCKS {
+            return self
+                .with_write(py, |index| index.insert(instance, keys))
+                .map_err(index_error);
+        }
+        py.detach(|| {
+            let mut index = self.write();
+            if step >= keys.len() {
+                return index.insert(instance, keys);
+            }
             // Each step inserts the prompt up to its end (what earlier steps put in is only
             // walked again), then hands the lock to whichever call waits for it, if any. The
             // first step takes in all the blocks already in the tree, so that the steps end only
             // inside the blocks this insert adds: a step ending inside a node that others hold
             // would split it.
-            let mut index = self.write();
             let mut added = 0;
             let mut end = index.known_prefix(keys);
             loop {
