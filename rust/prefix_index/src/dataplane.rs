@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper::body::Body as _;
 use hyper::body::{Frame, Incoming};
 use hyper::header::{HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_TYPE};
 use hyper::server::conn::http1;
@@ -38,6 +39,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
+
+use crate::copy;
 use tokio::sync::watch;
 
 type Body = BoxBody<Bytes, hyper::Error>;
@@ -325,13 +328,33 @@ impl Drop for Exchange {
 }
 
 async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static str)> {
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err((413, "request body exceeds --max-payload-size"))
+    let mut body = Limited::new(body, limit);
+    let mut first: Option<Bytes> = None;
+    let mut joined = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = match frame {
+            Ok(f) => f,
+            Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                return Err((413, "request body exceeds --max-payload-size"))
+            }
+            Err(_) => return Err((400, "could not read the request body")),
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        // One frame is the body as it is; more are joined (`copy::append`: glibc's copy can be
+        // an order of magnitude slower at some distances between two large buffers).
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            None => copy::append(&mut joined, &data),
+            Some(head) => {
+                joined.reserve(body.size_hint().lower() as usize + head.len() + data.len());
+                copy::append(&mut joined, &head);
+                copy::append(&mut joined, &data);
+            }
         }
-        Err(_) => Err((400, "could not read the request body")),
     }
+    Ok(first.unwrap_or_else(|| Bytes::from(joined)))
 }
 
 /// The next data of a worker's answer: `Ok(None)` at its end, `Err` when it broke or went
@@ -398,7 +421,7 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
         }
         let out = plane.router.bind(py).call_method1(
             "dp_begin",
-            (parts.uri.path(), PyBytes::new(py, &raw), headers, read_s),
+            (parts.uri.path(), py_bytes(py, &raw)?, headers, read_s),
         )?;
         if out.is_none() {
             return Ok(Begun::Internal); // PD mode: the Python application serves it
@@ -426,6 +449,14 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
             .await
             .unwrap_or_else(|resp| resp),
     )
+}
+
+/// The body as the Python `bytes` the router reads (`copy::copy`: see `read_body`).
+fn py_bytes<'py>(py: Python<'py>, raw: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    PyBytes::new_with(py, raw.len(), |buf| {
+        copy::copy(buf, raw);
+        Ok(())
+    })
 }
 
 /// Header names and values.

@@ -4,6 +4,7 @@
 //! The crate is plain Rust (`keys`, `index`); the `python` feature adds the pyo3 bindings that
 //! maturin builds into `smetric._prefix_index`.
 
+pub mod copy;
 pub mod index;
 pub mod keys;
 pub mod request;

@@ -15,6 +15,8 @@
 
 use std::borrow::Cow;
 
+use crate::copy;
+
 /// Which API a body belongs to (the reference's `api` argument).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Api {
@@ -220,7 +222,7 @@ fn push_run(text: &mut Vec<u8>, bytes: &[u8], run: usize, end: usize) {
             text.extend_from_slice(chunk);
             text.truncate(text.len() - (run + CHUNK - end));
         }
-        _ => text.extend_from_slice(&bytes[run..end]),
+        _ => copy::append(text, &bytes[run..end]),
     }
 }
 
@@ -494,7 +496,7 @@ fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
             0..=0x1f => 0,
             _ => continue,
         };
-        out.extend_from_slice(&s[run..i]);
+        copy::append(out, &s[run..i]);
         run = i + 1;
         if short == 0 {
             const HEX: &[u8; 16] = b"0123456789abcdef";
@@ -506,7 +508,7 @@ fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
             out.push(short);
         }
     }
-    out.extend_from_slice(&s[run..]);
+    copy::append(out, &s[run..]);
     out.push(b'"');
 }
 
@@ -585,7 +587,7 @@ fn token_list(items: &[Value<'_>]) -> Option<Vec<u32>> {
 fn content_text(doc: &Doc<'_>, out: &mut Vec<u8>, content: Option<&Value<'_>>) -> Option<()> {
     match content {
         None | Some(Value::Null) => {}
-        Some(Value::Str(s)) => out.extend_from_slice(doc.str(*s)),
+        Some(Value::Str(s)) => copy::append(out, doc.str(*s)),
         Some(Value::Array(parts)) => {
             for part in parts {
                 let text = match part {
@@ -599,7 +601,7 @@ fn content_text(doc: &Doc<'_>, out: &mut Vec<u8>, content: Option<&Value<'_>>) -
                     other => other,
                 };
                 let Value::Str(s) = text else { return None };
-                out.extend_from_slice(doc.str(*s));
+                copy::append(out, doc.str(*s));
             }
         }
         Some(other) => write_compact(doc, out, other)?,
