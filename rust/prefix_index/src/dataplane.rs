@@ -331,7 +331,10 @@ async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static
     let mut body = Limited::new(body, limit);
     let mut first: Option<Bytes> = None;
     let mut joined = Vec::new();
-    while let Some(frame) = body.frame().await {
+    while !body.is_end_stream() {
+        let Some(frame) = body.frame().await else {
+            break;
+        };
         let frame = match frame {
             Ok(f) => f,
             Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
