@@ -797,8 +797,7 @@ class Router:
                 ctype = up.headers.get("Content-Type", "application/json").split(";")[0]
                 if not (ex.stream and up.status == 200):
                     data = await up.read()
-                    ex.whole(up.status)
-                    ex.record()
+                    ex.whole(up.status, record=True)
                     return web.Response(
                         body=data, status=up.status, headers=reply, content_type=ctype
                     )
@@ -810,8 +809,7 @@ class Router:
                     if not sent:
                         await _downstream(resp.prepare(request))
                         sent = True
-                        ex.streaming(up.status)
-                        ex.record()
+                        ex.streaming(up.status, record=True)
                     n = chunk.count(b"data: {")
                     if n:
                         t_last = time.perf_counter()
@@ -821,8 +819,7 @@ class Router:
                     await _downstream(resp.write(chunk))
                 if not sent:
                     await _downstream(resp.prepare(request))
-                    ex.whole(up.status)
-                    ex.record()
+                    ex.whole(up.status, record=True)
                 ex.end("ok", events, t_last - t_first)
                 await _downstream(resp.write_eof())
                 return resp

@@ -329,8 +329,7 @@ impl Drop for Exchange {
 
 async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static str)> {
     let mut body = Limited::new(body, limit);
-    let mut first: Option<Bytes> = None;
-    let mut joined = Vec::new();
+    let mut frames: Vec<Bytes> = Vec::new();
     while !body.is_end_stream() {
         let Some(frame) = body.frame().await else {
             break;
@@ -342,22 +341,20 @@ async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static
             }
             Err(_) => return Err((400, "could not read the request body")),
         };
-        let Ok(data) = frame.into_data() else {
-            continue;
-        };
-        // One frame is the body as it is; more are joined (`copy::append`: glibc's copy can be
-        // an order of magnitude slower at some distances between two large buffers).
-        match first.take() {
-            None if joined.is_empty() => first = Some(data),
-            None => copy::append(&mut joined, &data),
-            Some(head) => {
-                joined.reserve(body.size_hint().lower() as usize + head.len() + data.len());
-                copy::append(&mut joined, &head);
-                copy::append(&mut joined, &data);
-            }
+        if let Ok(data) = frame.into_data() {
+            frames.push(data);
         }
     }
-    Ok(first.unwrap_or_else(|| Bytes::from(joined)))
+    // One frame is the body as it is; more are joined (`copy::append`: glibc's copy can be an
+    // order of magnitude slower at some distances between two large buffers).
+    if frames.len() == 1 {
+        return Ok(frames.pop().expect("one frame"));
+    }
+    let mut joined = Vec::with_capacity(frames.iter().map(Bytes::len).sum());
+    for frame in &frames {
+        copy::append(&mut joined, frame);
+    }
+    Ok(Bytes::from(joined))
 }
 
 /// The next data of a worker's answer: `Ok(None)` at its end, `Err` when it broke or went
@@ -559,13 +556,7 @@ async fn forward(
                 Ok(Some(first)) => {
                     // Booked before the client sees it, so the accounting never lags what the
                     // client saw; the stream's end is the `Relay`'s to report.
-                    let inline = raw.len() < RECORD_INLINE_BYTES;
-                    ex.call("streaming", (status, inline))?;
-                    let handed = ex.ex.take().expect("exchange present");
-                    ex.open = false;
-                    if !inline {
-                        record(Python::attach(|py| handed.clone_ref(py)), raw.len());
-                    }
+                    let handed = book(ex, "streaming", status, raw.len())?;
                     let relay = Relay::new(plane.clone(), handed, body, first);
                     return Ok(respond(status, &out_headers, relay.boxed()));
                 }
@@ -583,13 +574,7 @@ async fn forward(
                 continue;
             }
         }
-        let inline = raw.len() < RECORD_INLINE_BYTES;
-        ex.call("whole", (status, inline))?;
-        ex.open = false;
-        let handed = ex.ex.take().expect("exchange present");
-        if !inline {
-            record(handed, raw.len());
-        }
+        book(ex, "whole", status, raw.len())?;
         return Ok(respond(status, &out_headers, full(data)));
     }
 }
@@ -603,6 +588,25 @@ const RECORD_INLINE_BYTES: usize = 16 << 10;
 /// then runs beside the next requests (it releases the GIL for large prompts) instead of
 /// holding up the data plane's thread.
 const RECORD_ASIDE_BYTES: usize = 64 << 10;
+
+/// Books the answer (`whole` or `streaming`: the attempt is no longer the data plane's to end)
+/// and hands the exchange over; the prompt is recorded in that call when small, just after
+/// otherwise.
+fn book(
+    ex: &mut Exchange,
+    step: &str,
+    status: u16,
+    body_len: usize,
+) -> Result<Py<PyAny>, Response<Body>> {
+    let inline = body_len < RECORD_INLINE_BYTES;
+    ex.call(step, (status, inline))?;
+    ex.open = false;
+    let handed = ex.ex.take().expect("exchange present");
+    if !inline {
+        record(Python::attach(|py| handed.clone_ref(py)), body_len);
+    }
+    Ok(handed)
+}
 
 /// `ex.record()`, the index learning the prompt (the one step whose cost grows with it), once
 /// the answer is on its way: a task spawned now runs after the current one has handed its
