@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -19,6 +20,8 @@ from smetric.perf import PRESETS
 from smetric.policies import POLICIES
 from smetric.request import view_request
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
+from smetric.router.app import Exchange
+from smetric.router.workers import Worker
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
 FAST = 20.0  # emulated time runs 20x faster: the tests check behaviour, not timing
@@ -54,6 +57,13 @@ class Bed:
                 if line.strip():
                     lines.append(line.strip())
             return r.status, lines, r.headers
+
+    @property
+    def workers(self) -> dict[str, Worker]:
+        """The router's workers, what has been answered booked: the Rust data plane queues the
+        booking of each answer until the router next decides or reports (``Router.settle``)."""
+        self.router.settle()
+        return self.router.workers
 
 
 DATA_PLANE = "rust"
@@ -140,7 +150,7 @@ def test_every_policy_serves_every_api_streaming_and_not(policy):
             assert all(line.startswith(b"data: ") for line in lines)
         assert all(
             w.in_flight == 0 and w.queued_prefill_tokens == 0 and w.running_decode_tokens == 0
-            for w in bed.router.workers.values()
+            for w in bed.workers.values()
         )
         return bed.router.decisions
 
@@ -173,12 +183,10 @@ def test_load_is_accounted_while_a_request_streams():
         body = {**GEN, "stream": True, "sampling_params": {"max_new_tokens": 400}}
         async with bed.session.post(bed.base + "/generate", json=body) as r:
             await r.content.readline()
-            during = {
-                u: (w.in_flight, w.running_decode_tokens) for u, w in bed.router.workers.items()
-            }
+            during = {u: (w.in_flight, w.running_decode_tokens) for u, w in bed.workers.items()}
             async for _ in r.content:
                 pass
-        after = {u: w.in_flight for u, w in bed.router.workers.items()}
+        after = {u: w.in_flight for u, w in bed.workers.items()}
         return during, after
 
     during, after = run(test)
@@ -326,7 +334,7 @@ def test_admin_calls_need_the_api_key_when_one_is_set():
 
 def test_bad_input_gets_clear_4xx_json_and_changes_nothing():
     async def test(bed: Bed):
-        before = (len(bed.router.workers), bed.router.index.stats()["unique_blocks"])
+        before = (len(bed.workers), bed.router.index.stats()["unique_blocks"])
         out = []
         for path, data in (
             ("/generate", b"not json"),
@@ -358,7 +366,7 @@ def test_bad_input_gets_clear_4xx_json_and_changes_nothing():
             out.append((r.status, await r.json()))
         async with bed.session.post(bed.base + "/remove_worker?url=http://nowhere:1") as r:
             out.append((r.status, await r.json()))
-        after = (len(bed.router.workers), bed.router.index.stats()["unique_blocks"])
+        after = (len(bed.workers), bed.router.index.stats()["unique_blocks"])
         return out, before, after
 
     out, before, after = run(test, max_payload_size=4096)
@@ -452,9 +460,9 @@ def test_a_worker_that_refuses_connections_is_retried_elsewhere_and_circuit_open
     async def test(bed: Bed):
         dead = "http://127.0.0.1:9"  # discard port: nothing listens
         await bed.router.register(dead, strict=False)
-        bed.router.workers[dead].healthy = True  # as if it just died
+        bed.workers[dead].healthy = True  # as if it just died
         results = [await bed.post("/generate", GEN) for _ in range(6)]
-        return [s for s, _, _ in results], bed.router.workers[dead]
+        return [s for s, _, _ in results], bed.workers[dead]
 
     statuses, dead = run(
         test, policy="round_robin", retry_initial_backoff_ms=1, cb_failure_threshold=2
@@ -495,7 +503,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request():
         await asyncio.sleep(0.2)
         return (
             [w.engine.has_work() for w in bed.cluster.workers],
-            [w.in_flight for w in bed.router.workers.values()],
+            [w.in_flight for w in bed.workers.values()],
         )
 
     busy, in_flight = run(test)
@@ -507,17 +515,17 @@ def test_a_client_that_leaves_before_the_answer_begins_frees_the_worker():
         body = {**GEN, "sampling_params": {"max_new_tokens": 3000}}  # not streamed: seconds
         with pytest.raises(asyncio.TimeoutError):
             await bed.post("/generate", body, timeout=aiohttp.ClientTimeout(total=0.3))
-        during = sum(w.in_flight for w in bed.router.workers.values())
+        during = sum(w.in_flight for w in bed.workers.values())
         await asyncio.sleep(0.3)
         return (
             during,
             [w.engine.has_work() for w in bed.cluster.workers],
             [
                 (w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens)
-                for w in bed.router.workers.values()
+                for w in bed.workers.values()
             ],
             bed.router.retries,
-            [w.errors_total for w in bed.router.workers.values()],
+            [w.errors_total for w in bed.workers.values()],
         )
 
     during, busy, accounts, retries, errors = run(test)
@@ -530,13 +538,13 @@ def test_health_checks_take_a_failing_worker_out_and_bring_it_back():
     async def test(bed: Bed):
         await fault(bed, 0, mode="fail")
         await asyncio.sleep(0.5)
-        out = [bed.router.workers[bed.cluster.urls[0]].healthy]
+        out = [bed.workers[bed.cluster.urls[0]].healthy]
         status, _body = await bed.get("/readiness")
         out.append(status)
         routed = {(await bed.post("/generate", GEN))[2]["X-SMetric-Worker"] for _ in range(4)}
         await fault(bed, 0, mode="none")
         await asyncio.sleep(0.5)
-        out.append(bed.router.workers[bed.cluster.urls[0]].healthy)
+        out.append(bed.workers[bed.cluster.urls[0]].healthy)
         return out, routed
 
     (down, ready, back), routed = run(
@@ -552,7 +560,7 @@ def test_health_checks_take_a_failing_worker_out_and_bring_it_back():
 
 def test_no_healthy_worker_gives_503_json():
     async def test(bed: Bed):
-        for w in bed.router.workers.values():
+        for w in bed.workers.values():
             w.healthy = False
         status, body, _ = await bed.post("/generate", GEN)
         ready, _ = await bed.get("/readiness")
@@ -569,9 +577,7 @@ def test_pd_mode_sends_to_a_prefill_and_a_decode_worker_with_bootstrap_fields():
     async def test(bed: Bed):
         status, body, headers = await bed.post("/generate", GEN)
         s2, lines, _ = await bed.stream("/v1/chat/completions", CHAT)
-        loads = [
-            (w.role, w.in_flight, w.queued_prefill_tokens) for w in bed.router.workers.values()
-        ]
+        loads = [(w.role, w.in_flight, w.queued_prefill_tokens) for w in bed.workers.values()]
         return status, body, headers, s2, lines, loads
 
     status, body, headers, s2, lines, loads = run(test, workers=0, pd=(1, 1))
@@ -601,9 +607,9 @@ def test_smetric_on_real_agent_sessions_spreads_first_turns_sticks_and_migrates(
         # Overload the first session's instance (as if a flood of prefill were queued there):
         # its next turn would miss the TTFT SLO, so it migrates.
         home = second[0][0]
-        bed.router.workers[home].queued_prefill_tokens += 2_000_000
+        bed.workers[home].queued_prefill_tokens += 2_000_000
         moved = await turn(bed, sessions[0], 2)
-        bed.router.workers[home].queued_prefill_tokens -= 2_000_000
+        bed.workers[home].queued_prefill_tokens -= 2_000_000
         return first, second, home, moved
 
     first, second, home, moved = run(test, workers=4)
@@ -629,7 +635,7 @@ def test_streamed_responses_correct_smetrics_tpot_model_from_what_workers_show()
             status, lines, _ = await bed.stream("/v1/chat/completions", body)
             assert status == 200 and lines[-1] == b"data: [DONE]"
         slo = bed.router.policy.slo
-        return [slo.tpot_correction(u) for u in bed.router.workers]
+        return [slo.tpot_correction(u) for u in bed.workers]
 
     factors = run(test, workers=2, time_scale=4.0)
     assert any(f != 1.0 for f in factors)  # observed at all
@@ -637,7 +643,6 @@ def test_streamed_responses_correct_smetrics_tpot_model_from_what_workers_show()
 
 
 def test_queued_prefill_in_the_view_counts_what_the_worker_got_through_since_it_began():
-    from smetric.router.workers import Worker
 
     w = Worker("http://w", queued_prefill_tokens=10_000, prefill_since=100.0)
     assert w.view(0).queued_prefill_tokens == 10_000  # no rate: the raw count
@@ -803,6 +808,7 @@ def test_retries_neither_double_count_hits_nor_credit_the_failing_worker():
                 for _ in range(4):
                     async with s.post(base + "/generate", json=GEN) as r:
                         assert r.status == 200
+            router.settle()
             held = {u: v["blocks"] for u, v in router.index.stats()["instances"].items()}
             return router.retries, router.prefix_hit_tokens, router.prompt_tokens, held, bad_url
         finally:
@@ -959,6 +965,7 @@ def test_a_stream_passes_each_event_on_as_it_arrives_and_a_burst_whole():
                 first = await asyncio.wait_for(r.content.readline(), 5)
                 worker.go.set()
                 rest = [line.strip() async for line in r.content if line.strip()]
+            router.settle()
             return first.strip(), rest, router.workers[url].in_flight
         finally:
             await rrunner.close()
@@ -991,6 +998,7 @@ def test_a_worker_that_goes_quiet_mid_stream_ends_it_with_an_error_event():
     async def test(router: Router, base: str, session: aiohttp.ClientSession):
         async with session.post(base + "/generate", json={"text": "a", "stream": True}) as r:
             lines = [line.strip() async for line in r.content if line.strip()]
+        router.settle()
         w = next(iter(router.workers.values()))
         return lines, w.in_flight, w.errors_total
 
@@ -1048,6 +1056,7 @@ def test_the_index_learns_a_served_prompt(size, stream):
             url = r.headers["X-SMetric-Worker"]
         view = view_request("generate", body)
         for _ in range(100):  # a prompt from 16 KB is recorded just after the answer
+            bed.router.settle()
             if bed.router.index.match_instance(url, view.key.keys, touch=False):
                 break
             await asyncio.sleep(0.01)
@@ -1055,3 +1064,65 @@ def test_the_index_learns_a_served_prompt(size, stream):
 
     held, blocks = with_capture(test)
     assert held == blocks > 0
+
+
+def test_an_idle_router_books_its_answers_on_its_own():
+    """The Rust data plane queues the booking of each answer; with no request coming to settle
+    it, the router settles it within milliseconds (read here without ``settle``)."""
+
+    async def test(bed: Bed):
+        status, _, _ = await bed.post("/generate", GEN)
+        assert status == 200
+        status, lines, _ = await bed.stream("/generate", GEN)
+        assert status == 200 and lines[-1] == b"data: [DONE]"
+        for waited in range(100):
+            workers = bed.router.workers.values()
+            if sum(bed.router.requests.values()) == 2 and all(w.in_flight == 0 for w in workers):
+                return waited
+            await asyncio.sleep(0.01)
+        return None
+
+    waited = run(test)
+    assert waited is not None and waited <= 20  # 10 ms polls: settled within ~0.2 s
+
+
+def test_settling_books_each_step_at_the_time_it_happened(caplog):
+    """``Router.settle`` applies the data plane's queued steps in order, at their own times
+    (TTFT, end-to-end latency, the worker's prefill clock), and one failing step does not cost
+    the others their booking."""
+    router = Router(RouterConfig())
+    url = "http://127.0.0.1:9"
+    router._admit(Worker(url))
+    w = router.workers[url]
+    view = router._view("generate", json.dumps(GEN).encode(), {})
+    assert not isinstance(view, bytes)
+    t0 = time.perf_counter() - 1.0  # the request came a second ago
+    ex = Exchange(router, view, "/generate", "rid-1", t0, {})
+    assert ex.next() is not None
+    assert (w.in_flight, w.queued_prefill_tokens) == (1, view.prompt_tokens)
+
+    class Broken:
+        rid = "rid-broken"
+
+        def whole(self, *args: Any) -> None:
+            raise RuntimeError("a bug")
+
+    queued: list[list[Any]] = [
+        [
+            (ex, "streaming", 200, True, None, t0 + 0.010),
+            (Broken(), "whole", 200, False, None, t0 + 0.020),
+            (ex, "end", "ok", 4, 0.003, t0 + 0.050),
+        ]
+    ]
+    router._booked = lambda: queued.pop() if queued else None
+    before = time.monotonic()
+    router.settle()
+    router.settle()  # nothing left: a no-op
+    assert router.ttft.count == 1 and router.ttft.total == pytest.approx(0.010, abs=1e-6)
+    assert router.e2e.count == 1 and router.e2e.total == pytest.approx(0.050, abs=1e-6)
+    # The first token came 0.99 s before the settling, on the workers' monotonic clock too.
+    assert before - 1.0 < w.prefill_since < before - 0.98
+    assert (w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens) == (0, 0, 0)
+    assert router.requests[("generate", 200)] == 1
+    assert router.index.match_instance(url, view.key.keys, touch=False)  # recorded
+    assert "booking failed rid=rid-broken step=whole" in caplog.text

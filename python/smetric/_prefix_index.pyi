@@ -184,7 +184,10 @@ class DataPlane:
     ``router.dp_begin(path, body, headers, read_s)``, which returns an exchange (see
     ``smetric.router.app.Exchange``) with its first attempt and whether the client streams
     (``(exchange, attempt or None, stream)``), an error ``(status, json_body)``, or None to pass
-    the request to the Python application at ``internal_url``, as every other route is."""
+    the request to the Python application at ``internal_url``, as every other route is. The
+    answers are booked in a queue the router takes with ``booked()`` (``Router.settle``): before
+    its decisions, when it reports, and when the data plane calls ``router.settle()`` a few
+    milliseconds after a step was queued."""
 
     def __init__(
         self,
@@ -199,5 +202,10 @@ class DataPlane:
         """Listens on ``host:port`` (0: a free port) and returns the port; OSError if it cannot."""
     def stop(self) -> None:
         """Stops listening; exchanges still open are ended, their accounting released."""
+    def booked(self) -> list[tuple[Any, str, Any, Any, Any, float]] | None:
+        """The booking steps queued since the last call, in order:
+        ``(exchange, "whole" | "streaming", status, record, None, at)`` or
+        ``(exchange, "end", outcome, events, span_s, at)``, ``at`` on ``time.perf_counter``'s
+        clock; None when there are none."""
     @property
     def port(self) -> int | None: ...

@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -90,6 +90,9 @@ def error_json(status: int, message: str, kind: str | None = None) -> web.Respon
 
 
 Attempt = tuple[str, list[tuple[str, str]], list[tuple[str, str]]]
+Booked = tuple["Exchange", str, Any, Any, Any, float]
+"""A booking step the Rust data plane queued: the exchange, ``whole``/``streaming`` (status,
+record, None) or ``end`` (outcome, events, span_s), and when it happened (``perf_counter``)."""
 """An attempt: the worker's URL, the headers to send it, the headers for the client."""
 
 
@@ -111,7 +114,10 @@ class Exchange:
     ``end(outcome, ...)`` at its end; then ``record()`` teaches the index the prompt. ``end`` is
     safe to call again, so a data plane that loses its client can always call it.
 
-    Every step holds the router's lock: the Rust data plane calls from its own threads.
+    Every step holds the router's lock: the Rust data plane calls from its own threads. It
+    does not call ``whole``, ``streaming`` or an ``end`` that returns nothing at once: it
+    queues them with the time they happened, and ``Router.settle`` applies them (``at``: that
+    time, on ``time.perf_counter``'s clock) before the next decision.
     """
 
     __slots__ = (
@@ -173,6 +179,8 @@ class Exchange:
         client (the data plane adds the content type and encoding the worker answers with)."""
         r = self.router
         with r.lock:
+            if r._booked is not None:
+                r.settle()  # the decision sees every answer the data plane has had
             if self.pinned is not None:
                 if self.attempts:
                     return None
@@ -253,6 +261,8 @@ class Exchange:
         plane runs it once the answer is on its way, or with the booking for a small prompt.
         A prediction that fails (a key conflict in the index) is logged, and the answer
         stands."""
+        if self.status == 0 and self.router._booked is not None:
+            self.router.settle()  # the answer's booking may still be queued
         if self.status == 200 and self.worker is not None:
             try:
                 self.router._predict_cache(self.worker, self.view)
@@ -264,27 +274,27 @@ class Exchange:
         """Whether the client asked for a stream (a worker's error answer comes whole)."""
         return self.view.stream
 
-    def whole(self, status: int, record: bool = False) -> None:
+    def whole(self, status: int, record: bool = False, at: float | None = None) -> None:
         """A whole answer (not streamed) arrived: ``answered``, ``first_token`` and
         ``end("ok")`` at once (and ``record``, if asked: the data plane does so for small
         prompts, whose record costs less than a call of its own)."""
         with self.router.lock:
             self.answered(status)
-            self.first_token(False)
-            self.end("ok")
+            self.first_token(False, at)
+            self.end("ok", at=at)
         if record:
             self.record()
 
-    def streaming(self, status: int, record: bool = False) -> None:
+    def streaming(self, status: int, record: bool = False, at: float | None = None) -> None:
         """A stream's first chunk arrived: ``answered`` and ``first_token`` (and ``record``, if
         asked)."""
         with self.router.lock:
             self.answered(status)
-            self.first_token(True)
+            self.first_token(True, at)
         if record:
             self.record()
 
-    def first_token(self, streamed: bool) -> None:
+    def first_token(self, streamed: bool, at: float | None = None) -> None:
         """The first bytes of the answer: the prefill is done. A streamed first chunk is the
         first token, whose time teaches the policy's TTFT correction."""
         r = self.router
@@ -294,10 +304,18 @@ class Exchange:
             w = self.worker
             assert w is not None
             self.prefilled = True
-            w.prefilled(
-                self.uncached, self.view.prompt_tokens, r._prefill_tokens_per_s, r._chunk_tokens
-            )
             now = time.perf_counter()
+            if at is None:
+                mono = time.monotonic()
+            else:  # the same moment on the monotonic clock the workers' accounting uses
+                mono, now = time.monotonic() - (now - at), at
+            w.prefilled(
+                self.uncached,
+                self.view.prompt_tokens,
+                r._prefill_tokens_per_s,
+                r._chunk_tokens,
+                mono,
+            )
             r.ttft.observe(now - self.t0)
             observe = getattr(r.policy, "observe", None)
             if observe is not None and streamed and not r.config.pd_disaggregation:
@@ -305,7 +323,9 @@ class Exchange:
                 # run faster than real time).
                 observe(w.url, self.decision, (now - self.attempt_t0) * w.time_scale)
 
-    def end(self, outcome: str, events: int = 0, span_s: float = 0.0) -> bytes:
+    def end(
+        self, outcome: str, events: int = 0, span_s: float = 0.0, at: float | None = None
+    ) -> bytes:
         """The attempt is over: ``ok``, ``client_gone``, or ``broke:<why>`` (the stream broke
         after part of it reached the client: returns the error event that ends it cleanly).
         ``events`` and ``span_s``: the SSE events streamed and the time from first to last."""
@@ -331,19 +351,19 @@ class Exchange:
                 tail = b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
             if self.status and outcome != "client_gone":
                 r.requests[(self.view.api, self.status)] += 1
-            self._close()
+            self._close(at)
         if tail:
             log.warning("stream broke rid=%s worker=%s error=%s", self.rid, w.url, outcome[6:])
         elif outcome == "client_gone":
             log.info("client gone rid=%s worker=%s", self.rid, w.url)
         return tail
 
-    def _close(self) -> None:
+    def _close(self, at: float | None = None) -> None:
         w, r = self.worker, self.router
         assert w is not None and self.decision is not None
         self.open = False
         w.finished(self.prefilled, self.uncached, self.view.prompt_tokens)
-        e2e = time.perf_counter() - self.t0
+        e2e = (time.perf_counter() if at is None else at) - self.t0
         if self.prefilled:
             r.e2e.observe(e2e)
         if log.isEnabledFor(logging.INFO):
@@ -425,6 +445,33 @@ class Router:
         self.prefix_hit_tokens = 0
         self.ttft = Histogram(Histogram.TTFT_BUCKETS)
         self.e2e = Histogram(Histogram.E2E_BUCKETS)
+        self._booked: Callable[[], list[Booked] | None] | None = None
+        """The Rust data plane's queue of booking steps (``DataPlane.booked``), while one runs."""
+
+    def settle(self) -> None:
+        """Applies the booking steps the Rust data plane has queued: the answers it has had
+        (``whole``, ``streaming``) and the streams that have ended (``end``), in order, at the
+        times they happened. The router does so before each decision and before it reports its
+        state (``/metrics``, ``/get_loads``, the worker lists), and the data plane within a few
+        milliseconds otherwise. Code that reads the router's state in-process, while a Rust
+        data plane serves it, calls this first."""
+        take = self._booked
+        if take is None:
+            return
+        with self.lock:
+            steps = take()
+            if not steps:
+                return
+            for ex, step, a, b, c, at in steps:
+                try:
+                    if step == "whole":
+                        ex.whole(a, b, at)
+                    elif step == "streaming":
+                        ex.streaming(a, b, at)
+                    else:
+                        ex.end(a, b, c, at)
+                except Exception:  # one step's bug must not cost the others their booking
+                    log.exception("booking failed rid=%s step=%s", ex.rid, step)
 
     # ---- life cycle ----------------------------------------------------------------------
 
@@ -993,6 +1040,7 @@ class Router:
         return web.json_response(body, status=status)
 
     async def get_loads(self, request: web.Request) -> web.Response:
+        self.settle()
         return web.json_response(
             {
                 "workers": [
@@ -1016,6 +1064,7 @@ class Router:
         return web.Response(text=text, content_type="text/plain")
 
     def _metrics_text(self) -> str:
+        self.settle()
         fam: dict[str, tuple[str, dict[tuple[tuple[str, str], ...], float]]] = {
             "requests_total": (
                 "counter",
@@ -1068,6 +1117,7 @@ class Router:
         if not self._authorized(request):
             return error_json(401, "missing or wrong API key")
         assert self.session is not None
+        self.settle()  # prompts already served are recorded before the index forgets them
         failed = []
         for w in list(self.workers.values()):
             try:
@@ -1143,6 +1193,7 @@ class Router:
         return web.json_response({"urls": list(self.workers)})
 
     async def list_workers_v2(self, request: web.Request) -> web.Response:
+        self.settle()  # the descriptions carry the load
         return web.json_response(
             {"workers": [w.describe() for w in self.workers.values()], "total": len(self.workers)}
         )
@@ -1152,12 +1203,16 @@ class Listening:
     """A router serving on a port: the aiohttp application, and the Rust data plane in front of
     it unless the configuration says ``aiohttp``."""
 
-    def __init__(self, runner: web.AppRunner, plane: DataPlane | None, port: int) -> None:
-        self.runner, self.plane, self.port = runner, plane, port
+    def __init__(
+        self, router: Router, runner: web.AppRunner, plane: DataPlane | None, port: int
+    ) -> None:
+        self.router, self.runner, self.plane, self.port = router, runner, plane, port
 
     async def close(self) -> None:
         if self.plane is not None:
             self.plane.stop()
+            self.router.settle()  # what stopping ended, and what was still queued
+            self.router._booked = None
         await self.runner.cleanup()
 
 
@@ -1168,7 +1223,7 @@ async def listen(router: Router, host: str, port: int) -> Listening:
     await runner.setup()
     if config.data_plane != "rust":
         await web.TCPSite(runner, host, port).start()
-        return Listening(runner, None, runner.addresses[-1][1])
+        return Listening(router, runner, None, runner.addresses[-1][1])
     # The aiohttp application serves, on a private loopback port, what the data plane passes
     # on: every route but generation (and generation too in PD mode).
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -1185,7 +1240,8 @@ async def listen(router: Router, host: str, port: int) -> Listening:
     except OSError:
         await runner.cleanup()
         raise
-    return Listening(runner, plane, port)
+    router._booked = plane.booked
+    return Listening(router, runner, plane, port)
 
 
 async def serve(config: RouterConfig) -> None:

@@ -100,15 +100,18 @@ class Worker:
         prompt_tokens: int,
         prefill_tokens_per_s: float = 0.0,
         chunk_tokens: int = 0,
+        now: float | None = None,
     ) -> None:
         """A request's first token came: its prefill is done and it decodes, and the next
         queued prefill has begun. Chunked prefill filled the iteration that finished it up to a
         chunk with the next ones in the queue, so what the worker got through since
         ``prefill_since`` (at the given rate) beyond this request's tokens is a head start on
         them. More than a chunk beyond says the progress estimate ran ahead of this request
-        instead (a long cached context makes its prefill slower than the rate): none then."""
+        instead (a long cached context makes its prefill slower than the rate): none then.
+        ``now``: when the first token came, on the monotonic clock (default: now)."""
         d = self.__dict__
-        now = time.monotonic()
+        if now is None:
+            now = time.monotonic()
         queued = d["queued_prefill_tokens"] - uncached_tokens
         d["queued_prefill_tokens"] = queued
         rate = d["time_scale"] * prefill_tokens_per_s

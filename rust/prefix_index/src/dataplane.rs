@@ -13,6 +13,12 @@
 //! Python runs under the GIL on whichever tokio thread serves the request; the router guards
 //! its state with its own lock. An exchange whose client goes away while an attempt is open is
 //! ended (`end("client_gone")`) when its future is dropped, so no accounting leaks.
+//!
+//! The answers themselves are booked without entering Python: `whole`, `streaming` and a
+//! stream's `end` go into a `Ledger` with the time they happened, and the router applies them
+//! (`Router.settle`, which takes them with `DataPlane.booked()`) before its next decision, when
+//! it reports its state, or within `SETTLE_AFTER` when no request comes. A request then enters
+//! Python once, for its decision, and the answer leaves without waiting for the booking.
 
 // A failed step ends a request with the response to send (`Err(Response)`): large, and rare.
 #![allow(clippy::result_large_err)]
@@ -41,7 +47,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::copy;
-use tokio::sync::watch;
+use pyo3::types::PyList;
+use tokio::sync::{watch, Notify};
 
 type Body = BoxBody<Bytes, hyper::Error>;
 
@@ -56,8 +63,99 @@ const HOP: [&str; 6] = [
     "proxy-connection",
 ];
 
+/// A Python object held by more than one owner without taking the GIL to share it (the last to
+/// let go without the GIL leaves the reference count to pyo3, for the next holder of the GIL).
+type Shared = Arc<Py<PyAny>>;
+
+/// A booking step the router has yet to apply (`Router.settle`).
+struct Step {
+    ex: Shared,
+    kind: Kind,
+    /// When it happened, on Python's `time.perf_counter` clock.
+    at: f64,
+}
+
+enum Kind {
+    /// `whole(status, record)` or `streaming(status, record)`.
+    Answer {
+        streaming: bool,
+        status: u16,
+        record: bool,
+    },
+    /// `end(outcome, events, span_s)`, for an outcome whose end returns nothing to send.
+    End {
+        outcome: &'static str,
+        events: usize,
+        span: f64,
+    },
+}
+
+/// The booking steps taken since the router last settled, in the order they happened.
+struct Ledger {
+    steps: Mutex<Vec<Step>>,
+    /// Told when a step goes into an empty ledger (`settle_loop`).
+    queued: Notify,
+    /// `Instant`s to `perf_counter` seconds: one moment on both clocks, taken at `start`.
+    clock: Mutex<(Instant, f64)>,
+}
+
+impl Ledger {
+    fn new() -> Self {
+        Ledger {
+            steps: Mutex::new(Vec::new()),
+            queued: Notify::new(),
+            clock: Mutex::new((Instant::now(), 0.0)),
+        }
+    }
+
+    fn push(&self, ex: Shared, kind: Kind) {
+        let at = {
+            let (base, secs) = *self.clock.lock().expect("ledger clock");
+            secs + base.elapsed().as_secs_f64()
+        };
+        let mut steps = self.steps.lock().expect("ledger");
+        steps.push(Step { ex, kind, at });
+        if steps.len() == 1 {
+            self.queued.notify_one();
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.steps.lock().expect("ledger").is_empty()
+    }
+}
+
+/// How long a booking step may wait in the ledger for a decision to settle it before the data
+/// plane has the router settle anyway (so an idle router's state and logs catch up).
+const SETTLE_AFTER: Duration = Duration::from_millis(5);
+
+/// Has the router settle what is left in the ledger `SETTLE_AFTER` after it stopped being
+/// empty. Under load a decision has usually settled it by then, and this costs a check.
+async fn settle_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = plane.ledger.queued.notified() => {}
+        }
+        tokio::time::sleep(SETTLE_AFTER).await;
+        if !plane.ledger.is_empty() {
+            settle(&plane);
+        }
+    }
+}
+
+/// `router.settle()`, from a data plane thread.
+fn settle(plane: &Plane) {
+    Python::attach(|py| {
+        if let Err(e) = plane.router.bind(py).call_method0("settle") {
+            e.print(py);
+        }
+    })
+}
+
 struct Plane {
     router: Py<PyAny>,
+    ledger: Arc<Ledger>,
     /// Base URL of the Python application that serves every other route.
     internal: String,
     client: Client<HttpConnector, Full<Bytes>>,
@@ -132,7 +230,7 @@ fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
 struct Relay {
     plane: Arc<Plane>,
     /// The exchange until its `end` is called.
-    ex: Option<Py<PyAny>>,
+    ex: Option<Shared>,
     /// The worker's stream until it ends or breaks.
     upstream: Option<Incoming>,
     held: Vec<Bytes>,
@@ -146,7 +244,7 @@ struct Relay {
 }
 
 impl Relay {
-    fn new(plane: Arc<Plane>, ex: Py<PyAny>, upstream: Incoming, first: Bytes) -> Self {
+    fn new(plane: Arc<Plane>, ex: Shared, upstream: Incoming, first: Bytes) -> Self {
         let now = Instant::now();
         let deadline = Box::pin(tokio::time::sleep(plane.read_timeout));
         let mut relay = Relay {
@@ -176,13 +274,33 @@ impl Relay {
         self.held.push(data);
     }
 
-    /// The worker's stream is over (`ok`, or `broke:<why>`): the exchange ends, and a broken
-    /// stream gets the router's closing error event.
+    /// The worker's stream is over (`ok`, `client_gone`, or `broke:<why>`): the exchange ends,
+    /// in the ledger, except a broken stream's: the router settles and ends it at once, for the
+    /// closing error event it gets.
     fn finish(&mut self, outcome: &str) {
         self.upstream = None;
         if let Some(ex) = self.ex.take() {
             let span = self.t_last.duration_since(self.t_first).as_secs_f64();
+            let known = match outcome {
+                "ok" => Some("ok"),
+                "client_gone" => Some("client_gone"),
+                _ => None,
+            };
+            if let Some(outcome) = known {
+                let events = self.events;
+                let kind = Kind::End {
+                    outcome,
+                    events,
+                    span,
+                };
+                self.plane.ledger.push(ex, kind);
+                return;
+            }
             let tail: Vec<u8> = Python::attach(|py| {
+                let router = self.plane.router.bind(py);
+                if let Err(e) = router.call_method0("settle") {
+                    e.print(py);
+                }
                 match ex
                     .bind(py)
                     .call_method1("end", (outcome, self.events, span))
@@ -556,7 +674,7 @@ async fn forward(
                 Ok(Some(first)) => {
                     // Booked before the client sees it, so the accounting never lags what the
                     // client saw; the stream's end is the `Relay`'s to report.
-                    let handed = book(ex, "streaming", status, raw.len())?;
+                    let handed = book(plane, ex, true, status, raw.len());
                     let relay = Relay::new(plane.clone(), handed, body, first);
                     return Ok(respond(status, &out_headers, relay.boxed()));
                 }
@@ -574,7 +692,7 @@ async fn forward(
                 continue;
             }
         }
-        book(ex, "whole", status, raw.len())?;
+        book(plane, ex, false, status, raw.len());
         return Ok(respond(status, &out_headers, full(data)));
     }
 }
@@ -589,29 +707,29 @@ const RECORD_INLINE_BYTES: usize = 16 << 10;
 /// holding up the data plane's thread.
 const RECORD_ASIDE_BYTES: usize = 64 << 10;
 
-/// Books the answer (`whole` or `streaming`: the attempt is no longer the data plane's to end)
-/// and hands the exchange over; the prompt is recorded in that call when small, just after
-/// otherwise.
-fn book(
-    ex: &mut Exchange,
-    step: &str,
-    status: u16,
-    body_len: usize,
-) -> Result<Py<PyAny>, Response<Body>> {
-    let inline = body_len < RECORD_INLINE_BYTES;
-    ex.call(step, (status, inline))?;
+/// Books the answer (`whole` or `streaming`, in the ledger: the attempt is no longer the data
+/// plane's to end) and hands the exchange over; the prompt is recorded with that step when
+/// small, on its own once the answer is on its way otherwise.
+fn book(plane: &Plane, ex: &mut Exchange, streaming: bool, status: u16, body_len: usize) -> Shared {
+    let record = body_len < RECORD_INLINE_BYTES;
     ex.open = false;
-    let handed = ex.ex.take().expect("exchange present");
-    if !inline {
-        record(Python::attach(|py| handed.clone_ref(py)), body_len);
+    let handed = Arc::new(ex.ex.take().expect("exchange present"));
+    let kind = Kind::Answer {
+        streaming,
+        status,
+        record,
+    };
+    plane.ledger.push(handed.clone(), kind);
+    if !record {
+        spawn_record(handed.clone(), body_len);
     }
-    Ok(handed)
+    handed
 }
 
 /// `ex.record()`, the index learning the prompt (the one step whose cost grows with it), once
 /// the answer is on its way: a task spawned now runs after the current one has handed its
-/// response to hyper.
-fn record(ex: Py<PyAny>, body_len: usize) {
+/// response to hyper. The record settles first, if the answer's booking is still queued.
+fn spawn_record(ex: Shared, body_len: usize) {
     let call = move || {
         Python::attach(|py| {
             if let Err(e) = ex.bind(py).call_method0("record") {
@@ -740,6 +858,7 @@ pub struct PyDataPlane {
     read_timeout: Duration,
     connect_timeout: Duration,
     threads: usize,
+    ledger: Arc<Ledger>,
     running: Mutex<Option<Running>>,
 }
 
@@ -774,6 +893,7 @@ impl PyDataPlane {
             read_timeout: seconds("read_timeout_s", read_timeout_s)?,
             connect_timeout: seconds("connect_timeout_s", connect_timeout_s)?,
             threads,
+            ledger: Arc::new(Ledger::new()),
             running: Mutex::new(None),
         })
     }
@@ -801,8 +921,11 @@ impl PyDataPlane {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
+        let perf_counter: f64 = py.import("time")?.call_method0("perf_counter")?.extract()?;
+        *self.ledger.clock.lock().expect("ledger clock") = (Instant::now(), perf_counter);
         let plane = Arc::new(Plane {
             router: self.router.clone_ref(py),
+            ledger: self.ledger.clone(),
             internal: self.internal.clone(),
             client,
             max_payload: self.max_payload,
@@ -810,6 +933,7 @@ impl PyDataPlane {
             events: memchr::memmem::Finder::new(b"data: {").into_owned(),
         });
         let (stop, stopped) = watch::channel(false);
+        runtime.spawn(settle_loop(plane.clone(), stopped.clone()));
         runtime.spawn(accept_loop(listener, plane, stopped));
         *running = Some(Running {
             runtime,
@@ -826,6 +950,37 @@ impl PyDataPlane {
             let _ = r.stop.send(true);
             py.detach(|| r.runtime.shutdown_timeout(Duration::from_secs(5)));
         }
+    }
+
+    /// The booking steps queued since the last call, in order, as `Router.settle` applies them:
+    /// `(exchange, "whole" | "streaming", status, record, None, at)` or
+    /// `(exchange, "end", outcome, events, span_s, at)`, `at` on `time.perf_counter`'s clock;
+    /// None when there are none.
+    fn booked<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
+        let steps = std::mem::take(&mut *self.ledger.steps.lock().expect("ledger"));
+        if steps.is_empty() {
+            return Ok(None);
+        }
+        let list = PyList::empty(py);
+        for step in steps {
+            let ex = step.ex.clone_ref(py);
+            match step.kind {
+                Kind::Answer {
+                    streaming,
+                    status,
+                    record,
+                } => {
+                    let name = if streaming { "streaming" } else { "whole" };
+                    list.append((ex, name, status, record, py.None(), step.at))?
+                }
+                Kind::End {
+                    outcome,
+                    events,
+                    span,
+                } => list.append((ex, "end", outcome, events, span, step.at))?,
+            }
+        }
+        Ok(Some(list))
     }
 
     #[getter]
