@@ -1126,3 +1126,33 @@ def test_settling_books_each_step_at_the_time_it_happened(caplog):
     assert router.requests[("generate", 200)] == 1
     assert router.index.match_instance(url, view.key.keys, touch=False)  # recorded
     assert "booking failed rid=rid-broken step=whole" in caplog.text
+
+
+def test_concurrent_requests_each_get_their_own_answer_and_accounting():
+    """Many requests at once (the Rust data plane decides the ones that arrive together in one
+    turn): each answer goes to its own client, and the accounting ends at zero."""
+
+    async def one(bed: Bed, i: int) -> tuple[int, str, bool]:
+        rid = f"client-{i}"
+        body = {"text": f"request {i} " * (1 + i % 7), "sampling_params": {"max_new_tokens": 4}}
+        if i % 2:
+            status, lines, headers = await bed.stream(
+                "/generate", body, headers={"X-Request-ID": rid}
+            )
+            ok = lines[-1] == b"data: [DONE]"
+        else:
+            status, data, headers = await bed.post("/generate", body, headers={"X-Request-ID": rid})
+            ok = data["meta_info"]["completion_tokens"] == 4
+        return status, headers["X-Request-ID"], ok
+
+    async def test(bed: Bed):
+        results = await asyncio.gather(*(one(bed, i) for i in range(64)))
+        loads = [
+            (w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens)
+            for w in bed.workers.values()
+        ]
+        return results, loads, sum(bed.router.requests.values())
+
+    results, loads, counted = run(test)
+    assert results == [(200, f"client-{i}", True) for i in range(64)]
+    assert loads == [(0, 0, 0), (0, 0, 0)] and counted == 64
