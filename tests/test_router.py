@@ -1156,3 +1156,38 @@ def test_concurrent_requests_each_get_their_own_answer_and_accounting():
     results, loads, counted = run(test)
     assert results == [(200, f"client-{i}", True) for i in range(64)]
     assert loads == [(0, 0, 0), (0, 0, 0)] and counted == 64
+
+
+def test_a_client_that_leaves_while_its_request_is_decided_leaves_no_load_behind():
+    """The Rust data plane decides requests in turns: a client may leave while its own decision
+    is taken (its worker already charged), or while it waits for its turn. Either way the
+    worker's accounting returns to zero."""
+    if DATA_PLANE != "rust":
+        pytest.skip("the aiohttp plane decides in the request's own handler")
+
+    async def test(bed: Bed):
+        select = bed.router.policy.select
+
+        def slow_select(view: Any, cluster: Any) -> Any:
+            time.sleep(0.3)  # holds the decisions' turn; the clients below give up meanwhile
+            return select(view, cluster)
+
+        bed.router.policy.select = slow_select  # type: ignore[method-assign]
+        quick = aiohttp.ClientTimeout(total=0.1)
+        gone = 0
+        for attempt in (
+            bed.session.post(bed.base + "/generate", json=GEN, timeout=quick),  # during its own
+            bed.session.post(bed.base + "/generate", json=GEN, timeout=quick),  # waiting its turn
+        ):
+            try:
+                async with attempt as r:
+                    await r.read()
+            except TimeoutError:
+                gone += 1
+        await asyncio.sleep(0.8)  # the turns end; what they decided is dropped
+        bed.router.policy.select = select  # type: ignore[method-assign]
+        return gone, [(w.in_flight, w.queued_prefill_tokens) for w in bed.workers.values()]
+
+    gone, loads = run(test)
+    assert gone == 2
+    assert loads == [(0, 0), (0, 0)]

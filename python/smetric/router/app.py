@@ -90,10 +90,10 @@ def error_json(status: int, message: str, kind: str | None = None) -> web.Respon
 
 
 Attempt = tuple[str, list[tuple[str, str]], list[tuple[str, str]]]
+"""An attempt: the worker's URL, the headers to send it, the headers for the client."""
 Booked = tuple["Exchange", str, Any, Any, Any, float]
 """A booking step the Rust data plane queued: the exchange, ``whole``/``streaming`` (status,
 record, None) or ``end`` (outcome, events, span_s), and when it happened (``perf_counter``)."""
-"""An attempt: the worker's URL, the headers to send it, the headers for the client."""
 
 
 RECORD_STEP_BLOCKS = 1024
@@ -1117,7 +1117,7 @@ class Router:
         if not self._authorized(request):
             return error_json(401, "missing or wrong API key")
         assert self.session is not None
-        self.settle()  # prompts already served are recorded before the index forgets them
+        self.settle()  # small prompts already served are recorded before the index forgets them
         failed = []
         for w in list(self.workers.values()):
             try:
@@ -1235,12 +1235,13 @@ async def listen(router: Router, host: str, port: int) -> Listening:
         config.health_check_timeout_secs,
         config.data_plane_threads,
     )
+    router._booked = plane.booked  # before the first answer can be queued
     try:
         port = plane.start(host, port)
     except OSError:
+        router._booked = None
         await runner.cleanup()
         raise
-    router._booked = plane.booked
     return Listening(router, runner, plane, port)
 
 

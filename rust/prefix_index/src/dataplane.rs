@@ -10,9 +10,10 @@
 //! metrics, worker management, and generation in PD mode, where `dp_begin` returns `None`) is
 //! passed to the Python application on a private loopback port.
 //!
-//! Python runs under the GIL on whichever tokio thread serves the request; the router guards
-//! its state with its own lock. An exchange whose client goes away while an attempt is open is
-//! ended (`end("client_gone")`) when its future is dropped, so no accounting leaks.
+//! Python runs under the GIL on the data plane's threads; the router guards its state with its
+//! own lock. An exchange whose client goes away while an attempt is open (from the moment its
+//! decision is taken) is ended (`end("client_gone")`) when it is dropped, so no accounting
+//! leaks.
 //!
 //! Decisions are taken in turns (`decide_loop`): the requests read since the last turn enter
 //! Python together, whose code then runs warm after the first.
@@ -549,10 +550,7 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
         Ok(Begun::Respond(resp)) => return Ok(resp),
         Ok(Begun::Exchange(ex, target, stream)) => (ex, target, stream),
     };
-    let mut ex = Exchange {
-        open: target.is_some(),
-        ex: Some(ex),
-    };
+    let mut ex = ex;
     Ok(
         forward(&plane, parts.uri.path(), raw, &mut ex, target, stream)
             .await
@@ -594,7 +592,11 @@ impl Decisions {
 async fn decide_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.changed() => {
+                // Requests still waiting are answered 503 ("the router is stopping").
+                plane.decisions.waiting.lock().expect("decisions").clear();
+                return;
+            }
             _ = plane.decisions.queued.notified() => {}
         }
         tokio::task::yield_now().await;
@@ -604,8 +606,13 @@ async fn decide_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
         }
         Python::attach(|py| {
             for w in turn {
+                if w.reply.is_closed() {
+                    continue; // the client has gone: nothing to decide
+                }
                 let begun = begin(py, &plane, &w.parts, &w.raw, w.arrived);
-                let _ = w.reply.send((w.parts, begun)); // the client may have gone
+                // The client may have gone since: what comes back unsent is dropped here, and
+                // an exchange dropped with its attempt open ends it (`Exchange`'s `Drop`).
+                let _ = w.reply.send((w.parts, begun));
             }
         });
     }
@@ -640,6 +647,12 @@ fn begin(
         return Ok(Begun::Respond(json_response(status, body)));
     }
     let (ex, target, stream): (Py<PyAny>, Next, bool) = out.extract()?;
+    // From here the exchange ends its attempt if dropped: also when its client has gone before
+    // the decision reaches it.
+    let ex = Exchange {
+        open: target.is_some(),
+        ex: Some(ex),
+    };
     Ok(Begun::Exchange(ex, target, stream))
 }
 
@@ -660,7 +673,7 @@ type Next = Option<(String, Headers, Headers)>;
 enum Begun {
     Internal,
     Respond(Response<Body>),
-    Exchange(Py<PyAny>, Next, bool),
+    Exchange(Exchange, Next, bool),
 }
 
 fn extract<T>(out: Result<Py<PyAny>, Response<Body>>) -> Result<T, Response<Body>>
@@ -746,8 +759,8 @@ async fn forward(
                 }
                 Ok(None) => {}
                 Ok(Some(first)) => {
-                    // Booked before the client sees it, so the accounting never lags what the
-                    // client saw; the stream's end is the `Relay`'s to report.
+                    // Booked (queued in the ledger) before the client sees it; the stream's end
+                    // is the `Relay`'s to report.
                     let handed = book(plane, ex, true, status, raw.len());
                     let relay = Relay::new(plane.clone(), handed, body, first);
                     return Ok(respond(status, &out_headers, relay.boxed()));
@@ -771,9 +784,9 @@ async fn forward(
     }
 }
 
-/// Prompts below this size (bytes) are recorded in the index in the same call that books the
-/// answer (`whole` or `streaming`, with `record=True`): a few microseconds before the client has
-/// its answer, and one entry into Python fewer. Larger ones are recorded once it is on its way.
+/// Prompts below this size (bytes) are recorded in the index with the booking of the answer
+/// (`whole` or `streaming` with `record=True`, when the router settles): no entry into Python of
+/// their own. Larger ones are recorded by a task of their own once the answer is on its way.
 const RECORD_INLINE_BYTES: usize = 16 << 10;
 
 /// Prompts from this size (bytes) are recorded in the index on a blocking thread: the insert
@@ -1022,7 +1035,8 @@ impl PyDataPlane {
         Ok(port)
     }
 
-    /// Stops listening and ends every exchange still open (their accounting is released).
+    /// Stops listening and ends every exchange still open: their ends are queued in the ledger,
+    /// for the router's next `settle()` (`Listening.close` calls it).
     fn stop(&self, py: Python<'_>) {
         let running = self.running.lock().expect("data plane lock").take();
         if let Some(r) = running {
