@@ -1129,8 +1129,9 @@ def test_settling_books_each_step_at_the_time_it_happened(caplog):
 
 
 def test_concurrent_requests_each_get_their_own_answer_and_accounting():
-    """Many requests at once (the Rust data plane decides the ones that arrive together in one
-    turn): each answer goes to its own client, and the accounting ends at zero."""
+    """Many requests at once: each answer goes to its own client, and the accounting ends at
+    zero. The Rust data plane decides the requests that wait together in one turn (here the
+    first decision is held up, so the others queue behind it)."""
 
     async def one(bed: Bed, i: int) -> tuple[int, str, bool]:
         rid = f"client-{i}"
@@ -1146,16 +1147,30 @@ def test_concurrent_requests_each_get_their_own_answer_and_accounting():
         return status, headers["X-Request-ID"], ok
 
     async def test(bed: Bed):
+        select, calls = bed.router.policy.select, []
+
+        def first_slow(view: Any, cluster: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 1:
+                time.sleep(0.2)
+            return select(view, cluster)
+
+        bed.router.policy.select = first_slow  # type: ignore[method-assign]
+        before = bed.router.plane.turns if bed.router.plane else (0, 0)
         results = await asyncio.gather(*(one(bed, i) for i in range(64)))
+        after = bed.router.plane.turns if bed.router.plane else (0, 0)
         loads = [
             (w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens)
             for w in bed.workers.values()
         ]
-        return results, loads, sum(bed.router.requests.values())
+        turns = (after[0] - before[0], after[1] - before[1])
+        return results, loads, sum(bed.router.requests.values()), turns
 
-    results, loads, counted = run(test)
+    results, loads, counted, (turns, decided) = run(test)
     assert results == [(200, f"client-{i}", True) for i in range(64)]
     assert loads == [(0, 0, 0), (0, 0, 0)] and counted == 64
+    if DATA_PLANE == "rust":
+        assert decided == 64 and turns <= 8  # the 63 behind the first in a few turns
 
 
 def test_a_client_that_leaves_while_its_request_is_decided_leaves_no_load_behind():
@@ -1191,3 +1206,39 @@ def test_a_client_that_leaves_while_its_request_is_decided_leaves_no_load_behind
     gone, loads = run(test)
     assert gone == 2
     assert loads == [(0, 0), (0, 0)]
+
+
+def test_metrics_report_requests_decisions_latencies_and_load():
+    async def test(bed: Bed):
+        for _ in range(2):
+            status, _, _ = await bed.post("/generate", GEN)
+            assert status == 200
+        status, lines, _ = await bed.stream("/v1/chat/completions", CHAT)
+        assert status == 200 and lines[-1] == b"data: [DONE]"
+        status, _, _ = await bed.post("/generate", {"text": 5})
+        assert status == 400
+        status, text = await bed.get("/metrics")  # no settle here: the route does its own
+        return status, text
+
+    status, text = run(test, policy="round_robin")
+    assert status == 200
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values['smetric_requests_total{route="generate",status="200"}'] == 2
+    assert values['smetric_requests_total{route="chat",status="200"}'] == 1
+    assert values['smetric_requests_total{route="generate",status="400"}'] == 1
+    decisions = [v for k, v in values.items() if k.startswith("smetric_routing_decisions_total")]
+    assert sum(decisions) == 3 and all(
+        'policy="round_robin"' in k for k in values if "routing_" in k
+    )
+    assert values["smetric_time_to_first_token_seconds_count"] == 3
+    assert values["smetric_e2e_request_latency_seconds_count"] == 3
+    assert values["smetric_prompt_tokens_total"] > 0
+    in_flight = [v for k, v in values.items() if k.startswith("smetric_worker_in_flight")]
+    assert in_flight == [0, 0]
+    if DATA_PLANE == "rust":  # three routed and one refused, one at a time: a turn each
+        assert values["smetric_decided_requests_total"] == 4
+        assert values["smetric_decision_turns_total"] == 4

@@ -209,4 +209,9 @@ class DataPlane:
         ``(exchange, "end", outcome, events, span_s, at)``, ``at`` on ``time.perf_counter``'s
         clock; None when there are none."""
     @property
+    def turns(self) -> tuple[int, int]:
+        """``(turns, requests)``: the turns in which the router took requests (``dp_begin``), and
+        the requests taken in them, routed or refused (requests that arrive together share a
+        turn)."""
+    @property
     def port(self) -> int | None: ...

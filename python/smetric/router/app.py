@@ -447,6 +447,8 @@ class Router:
         self.e2e = Histogram(Histogram.E2E_BUCKETS)
         self._booked: Callable[[], list[Booked] | None] | None = None
         """The Rust data plane's queue of booking steps (``DataPlane.booked``), while one runs."""
+        self.plane: DataPlane | None = None
+        """The Rust data plane serving this router, if one does."""
 
     def settle(self) -> None:
         """Applies the booking steps the Rust data plane has queued: the answers it has had
@@ -1101,6 +1103,11 @@ class Router:
                 {(("worker", w.url),): w.errors_total for w in self.workers.values()},
             ),
         }
+        if self.plane is not None:
+            # Requests that arrive together are decided in one turn (one entry into Python).
+            turns, decided = self.plane.turns
+            fam["decision_turns_total"] = ("counter", {(): turns})
+            fam["decided_requests_total"] = ("counter", {(): decided})
         return render_families(
             "smetric_",
             fam,
@@ -1212,7 +1219,7 @@ class Listening:
         if self.plane is not None:
             self.plane.stop()
             self.router.settle()  # what stopping ended, and what was still queued
-            self.router._booked = None
+            self.router._booked, self.router.plane = None, None
         await self.runner.cleanup()
 
 
@@ -1236,10 +1243,11 @@ async def listen(router: Router, host: str, port: int) -> Listening:
         config.data_plane_threads,
     )
     router._booked = plane.booked  # before the first answer can be queued
+    router.plane = plane
     try:
         port = plane.start(host, port)
     except OSError:
-        router._booked = None
+        router._booked, router.plane = None, None
         await runner.cleanup()
         raise
     return Listening(router, runner, plane, port)

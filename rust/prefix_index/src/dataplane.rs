@@ -30,6 +30,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -572,6 +573,14 @@ struct Decisions {
     waiting: Mutex<Vec<Waiting>>,
     /// Told when a request comes to an empty queue (`decide_loop`).
     queued: Notify,
+    /// Turns taken, and the requests decided in them (`DataPlane.turns`).
+    counts: Arc<TurnCounts>,
+}
+
+#[derive(Default)]
+struct TurnCounts {
+    turns: AtomicU64,
+    requests: AtomicU64,
 }
 
 impl Decisions {
@@ -604,6 +613,11 @@ async fn decide_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
         if turn.is_empty() {
             continue;
         }
+        let counts = &plane.decisions.counts;
+        counts.turns.fetch_add(1, Ordering::Relaxed);
+        counts
+            .requests
+            .fetch_add(turn.len() as u64, Ordering::Relaxed);
         Python::attach(|py| {
             for w in turn {
                 if w.reply.is_closed() {
@@ -946,6 +960,7 @@ pub struct PyDataPlane {
     connect_timeout: Duration,
     threads: usize,
     ledger: Arc<Ledger>,
+    turns: Arc<TurnCounts>,
     running: Mutex<Option<Running>>,
 }
 
@@ -981,6 +996,7 @@ impl PyDataPlane {
             connect_timeout: seconds("connect_timeout_s", connect_timeout_s)?,
             threads,
             ledger: Arc::new(Ledger::new()),
+            turns: Arc::new(TurnCounts::default()),
             running: Mutex::new(None),
         })
     }
@@ -1015,6 +1031,7 @@ impl PyDataPlane {
             decisions: Decisions {
                 waiting: Mutex::new(Vec::new()),
                 queued: Notify::new(),
+                counts: self.turns.clone(),
             },
             ledger: self.ledger.clone(),
             internal: self.internal.clone(),
@@ -1074,6 +1091,18 @@ impl PyDataPlane {
             }
         }
         Ok(Some(list))
+    }
+
+    /// `(turns, requests)`: the turns in which the router took requests (`dp_begin`), and the
+    /// requests taken in them, routed or refused, since the data plane was made (requests that
+    /// arrive together share a turn, and one entry into Python).
+    #[getter]
+    fn turns(&self) -> (u64, u64) {
+        let c = &self.turns;
+        (
+            c.turns.load(Ordering::Relaxed),
+            c.requests.load(Ordering::Relaxed),
+        )
     }
 
     #[getter]
