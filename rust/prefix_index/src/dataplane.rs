@@ -130,19 +130,24 @@ impl Ledger {
     }
 }
 
-/// How long a booking step may wait in the ledger for a decision to settle it before the data
-/// plane has the router settle anyway (so an idle router's state and logs catch up).
+/// How long a booking step may wait in the ledger, while requests wait for a decision that
+/// will settle it, before the data plane has the router settle anyway.
 const SETTLE_AFTER: Duration = Duration::from_millis(5);
 
-/// Has the router settle what is left in the ledger `SETTLE_AFTER` after it stopped being
-/// empty. Under load a decision has usually settled it by then, and this costs a check.
+/// Has the router settle the ledger once it is no longer empty: at once (after a yield, so the
+/// answer that was booked goes out first) when no request waits for a decision, which takes
+/// the booking off the next request's path; otherwise the decision's turn settles it, and this
+/// settles what is left `SETTLE_AFTER` later.
 async fn settle_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             _ = plane.ledger.queued.notified() => {}
         }
-        tokio::time::sleep(SETTLE_AFTER).await;
+        tokio::task::yield_now().await;
+        if plane.decisions.any_waiting() {
+            tokio::time::sleep(SETTLE_AFTER).await;
+        }
         if !plane.ledger.is_empty() {
             settle(&plane);
         }
@@ -584,6 +589,10 @@ struct TurnCounts {
 }
 
 impl Decisions {
+    fn any_waiting(&self) -> bool {
+        !self.waiting.lock().expect("decisions").is_empty()
+    }
+
     fn push(&self, w: Waiting) {
         let mut waiting = self.waiting.lock().expect("decisions");
         waiting.push(w);
