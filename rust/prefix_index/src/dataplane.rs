@@ -21,8 +21,9 @@
 //! The answers themselves are booked without entering Python: `whole`, `streaming` and a
 //! stream's `end` go into a `Ledger` with the time they happened, and the router applies them
 //! (`Router.settle`, which takes them with `DataPlane.booked()`) before its next decision, when
-//! it reports its state, or within `SETTLE_AFTER` when no request comes. A request then enters
-//! Python once, for its decision, and the answer leaves without waiting for the booking.
+//! it reports its state, or as soon as the answer is out when no request waits (`settle_loop`).
+//! A request then enters Python once, for its decision, and the answer leaves without waiting
+//! for the booking.
 
 // A failed step ends a request with the response to send (`Err(Response)`): large, and rare.
 #![allow(clippy::result_large_err)]
