@@ -1242,3 +1242,23 @@ def test_metrics_report_requests_decisions_latencies_and_load():
     if DATA_PLANE == "rust":  # three routed and one refused, one at a time: a turn each
         assert values["smetric_decided_requests_total"] == 4
         assert values["smetric_decision_turns_total"] == 4
+
+
+def test_two_data_plane_threads_serve_concurrent_requests():
+    """With more than one data-plane thread, decisions, bookings and ends cross threads."""
+
+    async def test(bed: Bed):
+        async def one(i: int) -> bool:
+            body = {"text": f"request {i} " * (1 + i % 5), "sampling_params": {"max_new_tokens": 3}}
+            if i % 2:
+                status, lines, _ = await bed.stream("/generate", body)
+                return status == 200 and lines[-1] == b"data: [DONE]"
+            status, data, _ = await bed.post("/generate", body)
+            return status == 200 and data["meta_info"]["completion_tokens"] == 3
+
+        results = await asyncio.gather(*(one(i) for i in range(32)))
+        loads = [(w.in_flight, w.queued_prefill_tokens) for w in bed.workers.values()]
+        return results, loads, sum(bed.router.requests.values())
+
+    results, loads, counted = run(test, data_plane_threads=2)
+    assert all(results) and loads == [(0, 0), (0, 0)] and counted == 32
