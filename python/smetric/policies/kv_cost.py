@@ -18,14 +18,17 @@ class KvCost:
         self.overlap_weight = overlap_weight
 
     def select(self, req: RequestView, cluster: ClusterView) -> Decision:
-        q, bt = cluster.query_blocks, cluster.block_tokens
-
-        def cost(i: int) -> float:
-            w = cluster.workers[i]
+        q, bt, found = cluster.query_blocks, cluster.block_tokens, cluster.global_hit_blocks
+        weight = self.overlap_weight
+        # The lowest cost, the first worker on a tie. A plain loop: it runs over every worker on
+        # every request.
+        best, best_cost = 0, 0.0
+        for i, w in enumerate(cluster.workers):
             local = w.local_hit_blocks
-            shared = max(cluster.global_hit_blocks - local, 0)
+            shared = max(found - local, 0)
             prefill = q - local - GLOBAL_TIER_CREDIT * shared
             active = (w.queued_prefill_tokens + w.running_decode_tokens) / bt
-            return prefill * self.overlap_weight + active
-
-        return Decision(min(range(len(cluster.workers)), key=cost), "kv_cost")
+            cost = prefill * weight + active
+            if i == 0 or cost < best_cost:
+                best, best_cost = i, cost
+        return Decision(best, "kv_cost")
