@@ -109,6 +109,19 @@ def test_lmetric_weighs_queued_prefill_and_uncached_tokens_by_batch_size():
     assert p.select(req(), c).worker == 2
 
 
+def test_lmetric_and_kv_cost_break_ties_by_load_then_order():
+    lm, kv = make_policy("lmetric"), make_policy("kv_cost")
+    # lmetric: a and b both cost 1600 x 2 = 3200 with one request; c costs 800 x 4 = 3200 with
+    # three. Equal costs go to the fewer requests, then to the first worker.
+    c = cluster(w("a", in_flight=1), w("b", in_flight=1), w("c", in_flight=3, hit=50))
+    assert lm.select(req(), c).worker == 0
+    c = cluster(w("a", in_flight=3, hit=50), w("b", in_flight=1), w("c", in_flight=1))
+    assert lm.select(req(), c).worker == 1
+    # kv_cost: equal costs go to the first worker.
+    c = cluster(w("a", decode=160), w("b"), w("c"))
+    assert kv.select(req(), c).worker == 1
+
+
 def test_kv_cost_credits_local_hits_fully_and_global_hits_by_half():
     p = make_policy("kv_cost")
     # a: 100 - 60 = 40 blocks to prefill; b: 100 - 0 - 0.5 x 60 = 70; decode load equal.
