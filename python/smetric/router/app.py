@@ -5,8 +5,9 @@ from the bytes; ``view_request`` over the parsed body where it cannot), ``_snaps
 prompt against every worker at once and builds the policy's view, the policy decides, the data
 plane sends the body byte for byte and streams the answer back chunk by chunk, and an
 ``Exchange`` keeps the accounting of each attempt (dispatch, first chunk, finish). The data
-plane is Rust by default (``dataplane.rs``: tokio and hyper carry the bytes, and call the
-``Exchange`` at each step); ``--data-plane aiohttp`` keeps it all in Python (``_drive``).
+plane is Rust by default (``dataplane.rs``: tokio and hyper carry the bytes; the requests that
+arrive together enter Python in one turn, ``dp_begin`` for each, and the answers' steps are
+queued for ``Router.settle``); ``--data-plane aiohttp`` keeps it all in Python (``_drive``).
 """
 
 from __future__ import annotations
