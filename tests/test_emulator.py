@@ -514,3 +514,27 @@ def test_pd_decode_fails_cleanly_when_no_kv_arrives_and_rooms_are_single_use():
         'sglang:time_to_first_token_seconds_count{model_name="default",engine_type="decode"} 1'
         in metrics
     )
+
+
+def test_stopping_with_a_stream_open_ends_within_the_grace():
+    """Stopping (Ctrl-C on ``smetric emulate``) stops the engines first, so a request still in
+    flight can never finish: it is cancelled after ``STOP_GRACE_S``, not aiohttp's minute."""
+    from smetric.emulator import STOP_GRACE_S
+
+    async def main() -> float:
+        cluster = EmulatedCluster(PROFILE, workers=1, time_scale=1.0)
+        (url,) = await cluster.start()
+        async with aiohttp.ClientSession() as s:
+            body = {
+                "text": "a " * 4000,
+                "stream": True,
+                "sampling_params": {"max_new_tokens": 5000},
+            }
+            async with s.post(url + "/generate", json=body) as r:
+                await r.content.readline()  # streaming, with minutes to go
+                t0 = time.perf_counter()
+                await asyncio.wait_for(cluster.stop(), 30)
+                return time.perf_counter() - t0
+
+    took = asyncio.run(main())
+    assert took < STOP_GRACE_S + 2.0

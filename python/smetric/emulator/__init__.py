@@ -10,6 +10,9 @@ from smetric.emulator.worker import EmulatedWorker, Fault, PDRendezvous, ScaledC
 from smetric.engine import Cluster, EngineConfig, GlobalTierConfig
 from smetric.perf import Profile
 
+STOP_GRACE_S = 1.0
+"""How long stopping waits for requests still in flight before it cancels them."""
+
 
 class EmulatedCluster:
     """``workers`` colocated workers, or with ``pd=(p, d)`` p prefill and d decode workers, on
@@ -52,7 +55,14 @@ class EmulatedCluster:
 
     async def start(self) -> list[str]:
         for i, worker in enumerate(self.workers):
-            runner = web.AppRunner(worker.app(), access_log=None, handler_cancellation=True)
+            # On stop the engines stop first, so a request still in flight can never finish:
+            # its handler is cancelled after a second rather than aiohttp's default minute.
+            runner = web.AppRunner(
+                worker.app(),
+                access_log=None,
+                handler_cancellation=True,
+                shutdown_timeout=STOP_GRACE_S,
+            )
             await runner.setup()
             port = self.base_port + i if self.base_port else 0
             site = web.TCPSite(runner, self.host, port)
