@@ -120,6 +120,12 @@ def test_lmetric_and_kv_cost_break_ties_by_load_then_order():
     # kv_cost: equal costs go to the first worker.
     c = cluster(w("a", decode=160), w("b"), w("c"))
     assert kv.select(req(), c).worker == 1
+    # A negative cost (accounting that drifted below zero) is still the lowest.
+    c = cluster(w("a"), w("b", queued=-5000), w("c"))
+    assert lm.select(req(), c).worker == 1 and kv.select(req(), c).worker == 1
+    for p in (lm, kv):
+        with pytest.raises(ValueError):
+            p.select(req(), cluster())
 
 
 def test_kv_cost_credits_local_hits_fully_and_global_hits_by_half():

@@ -1152,7 +1152,7 @@ def test_concurrent_requests_each_get_their_own_answer_and_accounting():
         def first_slow(view: Any, cluster: Any) -> Any:
             calls.append(1)
             if len(calls) == 1:
-                time.sleep(0.2)
+                time.sleep(0.5)
             return select(view, cluster)
 
         bed.router.policy.select = first_slow  # type: ignore[method-assign]
@@ -1170,7 +1170,7 @@ def test_concurrent_requests_each_get_their_own_answer_and_accounting():
     assert results == [(200, f"client-{i}", True) for i in range(64)]
     assert loads == [(0, 0, 0), (0, 0, 0)] and counted == 64
     if DATA_PLANE == "rust":
-        assert decided == 64 and turns <= 8  # the 63 behind the first in a few turns
+        assert decided == 64 and turns < 32  # the 63 behind the first share turns
 
 
 def test_a_client_that_leaves_while_its_request_is_decided_leaves_no_load_behind():

@@ -201,8 +201,9 @@ class DataPlane:
     def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: a free port) and returns the port; OSError if it cannot."""
     def stop(self) -> None:
-        """Stops listening; exchanges still open are ended, their ends queued for the router's
-        next ``settle()``, which releases their accounting."""
+        """Stops listening; exchanges still open are ended: an answered one's end is queued for
+        the router's next ``settle()``, which releases its accounting; one not yet answered is
+        ended at once."""
     def booked(self) -> list[tuple[Any, str, Any, Any, Any, float]] | None:
         """The booking steps queued since the last call, in order:
         ``(exchange, "whole" | "streaming", status, record, None, at)`` or

@@ -20,6 +20,8 @@ class KvCost:
     def select(self, req: RequestView, cluster: ClusterView) -> Decision:
         q, bt, found = cluster.query_blocks, cluster.block_tokens, cluster.global_hit_blocks
         weight = self.overlap_weight
+        if not cluster.workers:
+            raise ValueError("no worker to choose from")
         # The lowest cost, the first worker on a tie. A plain loop: it runs over every worker on
         # every request.
         best, best_cost = 0, 0.0

@@ -18,11 +18,13 @@ class LMetric:
         prompt, block_tokens = req.prompt_tokens, cluster.block_tokens
         # The lowest cost, then the fewest requests, then the first worker. A plain loop: it
         # runs over every worker on every request (``ClusterView.local_hit_tokens`` inline).
-        best, best_cost, best_load = 0, -1, 0
+        if not cluster.workers:
+            raise ValueError("no worker to choose from")
+        best, best_cost, best_load = 0, 0, 0
         for i, w in enumerate(cluster.workers):
             hit = min(int(w.local_hit_blocks * block_tokens), prompt)
             load = w.in_flight
             cost = (w.queued_prefill_tokens + prompt - hit) * (load + 1)
-            if best_cost < 0 or cost < best_cost or (cost == best_cost and load < best_load):
+            if i == 0 or cost < best_cost or (cost == best_cost and load < best_load):
                 best, best_cost, best_load = i, cost, load
         return Decision(best, "lmetric_cost")

@@ -612,14 +612,17 @@ async fn decide_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
     loop {
         tokio::select! {
             _ = stop.changed() => {
-                // Requests still waiting are answered 503 ("the router is stopping").
+                // Let go of the requests still waiting: a `serve` that is polled again answers
+                // 503; the runtime stopping right after drops the others, closing their
+                // connections.
                 plane.decisions.waiting.lock().expect("decisions").clear();
                 return;
             }
             _ = plane.decisions.queued.notified() => {}
         }
         tokio::task::yield_now().await;
-        let turn = std::mem::take(&mut *plane.decisions.waiting.lock().expect("decisions"));
+        let mut turn = std::mem::take(&mut *plane.decisions.waiting.lock().expect("decisions"));
+        turn.retain(|w| !w.reply.is_closed()); // a client that has gone: nothing to decide
         if turn.is_empty() {
             continue;
         }
@@ -630,9 +633,6 @@ async fn decide_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
             .fetch_add(turn.len() as u64, Ordering::Relaxed);
         Python::attach(|py| {
             for w in turn {
-                if w.reply.is_closed() {
-                    continue; // the client has gone: nothing to decide
-                }
                 let begun = begin(py, &plane, &w.parts, &w.raw, w.arrived);
                 // The client may have gone since: what comes back unsent is dropped here, and
                 // an exchange dropped with its attempt open ends it (`Exchange`'s `Drop`).
@@ -1062,8 +1062,9 @@ impl PyDataPlane {
         Ok(port)
     }
 
-    /// Stops listening and ends every exchange still open: their ends are queued in the ledger,
-    /// for the router's next `settle()` (`Listening.close` calls it).
+    /// Stops listening and ends every exchange still open: an answered one's end is queued in
+    /// the ledger, for the router's next `settle()` (`Listening.close` calls it); one not yet
+    /// answered is ended at once.
     fn stop(&self, py: Python<'_>) {
         let running = self.running.lock().expect("data plane lock").take();
         if let Some(r) = running {
