@@ -257,6 +257,7 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from smetric.emulator import EmulatedCluster
     from smetric.engine import EngineConfig, GlobalTierConfig
+    from smetric.signals import until_stopped
 
     try:
         profile = load_profile(args.profile)
@@ -299,7 +300,7 @@ def _emulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             flush=True,
         )
         try:
-            await asyncio.Event().wait()
+            await until_stopped()
         finally:
             await cluster.stop()
 

@@ -47,6 +47,7 @@ from smetric.request import (
 )
 from smetric.router.config import RouterConfig
 from smetric.router.workers import Worker
+from smetric.signals import until_stopped
 from smetric.slo import SLOConfig
 
 log = logging.getLogger("smetric.router")
@@ -1283,7 +1284,7 @@ async def serve(config: RouterConfig) -> None:
     # longer walk it again and again.
     gc.freeze()
     try:
-        await asyncio.Event().wait()
+        await until_stopped()
     finally:
         if extra is not None:
             await extra.cleanup()
