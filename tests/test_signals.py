@@ -11,6 +11,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,3 +77,49 @@ def test_the_router_and_the_emulator_stop_on_sigterm_and_sigint():
                 p.kill()
                 p.wait()
     assert (router_status, emulator_status) == (0, 0)
+
+
+def test_on_sigterm_the_router_lets_a_stream_in_progress_finish_and_refuses_new_ones():
+    worker_port, router_port = free_port(), free_port()
+    # Real time (x1): 400 tokens out take the emulated worker about 2.4 s.
+    emulator = start("smetric", "emulate", "--workers", "1", "--base-port", str(worker_port))
+    worker = f"http://127.0.0.1:{worker_port}"
+    router = None
+    try:
+        ready(worker)
+        router = start("smetric.launch_router", "--worker-urls", worker, "--port", str(router_port))
+        base = f"http://127.0.0.1:{router_port}"
+        ready(base)
+        body = b'{"text": "hello", "stream": true, "sampling_params": {"max_new_tokens": 400}}'
+        request = urllib.request.Request(
+            base + "/generate", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as stream:
+            first = stream.readline()
+            router.send_signal(signal.SIGTERM)  # mid-stream
+            time.sleep(0.3)
+            try:  # the router no longer accepts
+                urllib.request.urlopen(base + "/health", timeout=2)
+                refused = False
+            except OSError:
+                refused = True
+            rest = [line.strip() for line in stream if line.strip()]
+        status = router.wait(timeout=30)
+    finally:
+        for p in (router, emulator):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert first.startswith(b"data: {")
+    assert rest[-1:] == [b"data: [DONE]"] and len(rest) >= 399  # every token, then the end
+    assert refused and status == 0
+
+
+def test_the_shutdown_grace_is_a_flag(capsys):
+    from smetric.router import parse_config
+
+    assert parse_config(["--worker-urls", "http://w:1"]).shutdown_grace_secs == 25.0
+    assert parse_config(["--shutdown-grace-secs", "3"]).shutdown_grace_secs == 3.0
+    with pytest.raises(SystemExit):
+        parse_config(["--shutdown-grace-secs", "-1"])
+    assert "--shutdown-grace-secs" in capsys.readouterr().err

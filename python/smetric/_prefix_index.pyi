@@ -200,10 +200,12 @@ class DataPlane:
     ) -> None: ...
     def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: a free port) and returns the port; OSError if it cannot."""
-    def stop(self) -> None:
-        """Stops listening; exchanges still open are ended: an answered one's end is queued for
-        the router's next ``settle()``, which releases its accounting; one not yet answered is
-        ended at once."""
+    def stop(self, grace_s: float = 0.0) -> int:
+        """Stops listening, lets the requests in progress finish for up to ``grace_s`` seconds
+        (each connection closes once its answer, a stream too, has gone out), then ends every
+        exchange still open: an answered one's end is queued for the router's next
+        ``settle()``, which releases its accounting; one not yet answered is ended at once.
+        Returns the client connections still open at the end."""
     def booked(self) -> list[tuple[Any, str, Any, Any, Any, float]] | None:
         """The booking steps queued since the last call, in order:
         ``(exchange, "whole" | "streaming", status, record, None, at)`` or

@@ -1217,9 +1217,14 @@ class Listening:
     ) -> None:
         self.router, self.runner, self.plane, self.port = router, runner, plane, port
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stops serving. With ``grace_s``, the Rust data plane first stops accepting and lets
+        the requests in progress finish for up to that long (from a thread, so that the
+        application keeps serving what the data plane passes it meanwhile)."""
         if self.plane is not None:
-            self.plane.stop()
+            left = await asyncio.to_thread(self.plane.stop, grace_s)
+            if left:
+                log.warning("stopped with %d client connections still open", left)
             self.router.settle()  # what stopping ended, and what was still queued
             self.router._booked, self.router.plane = None, None
         await self.runner.cleanup()
@@ -1288,4 +1293,4 @@ async def serve(config: RouterConfig) -> None:
     finally:
         if extra is not None:
             await extra.cleanup()
-        await server.close()
+        await server.close(config.shutdown_grace_secs)

@@ -45,6 +45,9 @@ class RouterConfig:
     prefill: list[tuple[str, int | None]] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
     request_timeout_secs: float = 1800.0
+    shutdown_grace_secs: float = 25.0
+    """On SIGINT or SIGTERM, how long requests in progress (streams too) may take to finish
+    before the router stops anyway: within Kubernetes' default 30 s termination grace."""
     max_payload_size: int = 536_870_912
     retry_max_retries: int = 5
     retry_initial_backoff_ms: float = 50.0
@@ -220,6 +223,13 @@ def build_parser(prog: str = "smetric serve") -> argparse.ArgumentParser:
     p.add_argument("--prometheus-host", default="127.0.0.1")
     p.add_argument("--request-id-headers", nargs="*", default=None)
     p.add_argument("--request-timeout-secs", type=pos_f, default=1800.0)
+    p.add_argument(
+        "--shutdown-grace-secs",
+        type=nonneg_f,
+        default=25.0,
+        help="on SIGINT/SIGTERM, stop accepting and let requests in progress finish for up to "
+        "this long (default 25, within Kubernetes' 30 s termination grace)",
+    )
     p.add_argument("--retry-max-retries", type=pos_i, default=5)
     p.add_argument("--retry-initial-backoff-ms", type=nonneg_f, default=50.0)
     p.add_argument("--retry-max-backoff-ms", type=nonneg_f, default=30_000.0)
@@ -363,6 +373,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "smetric serve") -> 
         prefill=prefill,
         decode=list(args.decode),
         request_timeout_secs=args.request_timeout_secs,
+        shutdown_grace_secs=args.shutdown_grace_secs,
         max_payload_size=args.max_payload_size,
         retry_max_retries=args.retry_max_retries,
         retry_initial_backoff_ms=args.retry_initial_backoff_ms,

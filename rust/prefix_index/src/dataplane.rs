@@ -31,7 +31,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -139,12 +139,9 @@ const SETTLE_AFTER: Duration = Duration::from_millis(5);
 /// answer that was booked goes out first) when no request waits for a decision, which takes
 /// the booking off the next request's path; otherwise the decision's turn settles it, and this
 /// settles what is left `SETTLE_AFTER` later.
-async fn settle_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
+async fn settle_loop(plane: Arc<Plane>) {
     loop {
-        tokio::select! {
-            _ = stop.changed() => return,
-            _ = plane.ledger.queued.notified() => {}
-        }
+        plane.ledger.queued.notified().await;
         tokio::task::yield_now().await;
         if plane.decisions.any_waiting() {
             tokio::time::sleep(SETTLE_AFTER).await;
@@ -166,6 +163,8 @@ fn settle(plane: &Plane) {
 
 struct Plane {
     router: Py<PyAny>,
+    /// Client connections still open (shared with `Running`).
+    connections: Arc<AtomicUsize>,
     decisions: Decisions,
     ledger: Arc<Ledger>,
     /// Base URL of the Python application that serves every other route.
@@ -608,18 +607,9 @@ impl Decisions {
 /// I/O), then enters Python once for them all. Python's code and data are cold after the
 /// sockets and hyper have run (measured: one request's router code takes about twice as long
 /// then as in a loop), so the requests after the first in a turn cost less.
-async fn decide_loop(plane: Arc<Plane>, mut stop: watch::Receiver<bool>) {
+async fn decide_loop(plane: Arc<Plane>) {
     loop {
-        tokio::select! {
-            _ = stop.changed() => {
-                // Let go of the requests still waiting: a `serve` that is polled again answers
-                // 503; the runtime stopping right after drops the others, closing their
-                // connections.
-                plane.decisions.waiting.lock().expect("decisions").clear();
-                return;
-            }
-            _ = plane.decisions.queued.notified() => {}
-        }
+        plane.decisions.queued.notified().await;
         tokio::task::yield_now().await;
         let mut turn = std::mem::take(&mut *plane.decisions.waiting.lock().expect("decisions"));
         turn.retain(|w| !w.reply.is_closed()); // a client that has gone: nothing to decide
@@ -907,11 +897,21 @@ async fn accept_loop(
                 Ok((stream, _)) => {
                     let _ = stream.set_nodelay(true);
                     let plane = plane.clone();
+                    let mut stop = stop.clone();
+                    let open = Open::new(&plane.connections);
                     tokio::spawn(async move {
+                        let _open = open;
                         let svc = service_fn(move |req| serve(plane.clone(), req));
-                        let _ = http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), svc)
-                            .await;
+                        let conn = http1::Builder::new().serve_connection(TokioIo::new(stream), svc);
+                        tokio::pin!(conn);
+                        tokio::select! {
+                            _ = conn.as_mut() => return,
+                            _ = stop.changed() => {}
+                        }
+                        // Stopping: an idle connection closes now, a busy one once its answer
+                        // (a stream too) has gone out.
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.await;
                     });
                 }
                 // Out of file descriptors, most likely: let some connections close.
@@ -956,6 +956,24 @@ struct Running {
     runtime: tokio::runtime::Runtime,
     stop: watch::Sender<bool>,
     port: u16,
+    /// Client connections still open.
+    connections: Arc<AtomicUsize>,
+}
+
+/// One client connection, counted while it is open (`Running::connections`).
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Open(count.clone())
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The data plane: `DataPlane(router, internal_url, max_payload_size, read_timeout_s,
@@ -1036,8 +1054,10 @@ impl PyDataPlane {
             .build(connector);
         let perf_counter: f64 = py.import("time")?.call_method0("perf_counter")?.extract()?;
         *self.ledger.clock.lock().expect("ledger clock") = (Instant::now(), perf_counter);
+        let connections = Arc::new(AtomicUsize::new(0));
         let plane = Arc::new(Plane {
             router: self.router.clone_ref(py),
+            connections: connections.clone(),
             decisions: Decisions {
                 waiting: Mutex::new(Vec::new()),
                 queued: Notify::new(),
@@ -1051,26 +1071,44 @@ impl PyDataPlane {
             events: memchr::memmem::Finder::new(b"data: {").into_owned(),
         });
         let (stop, stopped) = watch::channel(false);
-        runtime.spawn(settle_loop(plane.clone(), stopped.clone()));
-        runtime.spawn(decide_loop(plane.clone(), stopped.clone()));
+        // Both run until the runtime stops: connections still draining need them.
+        runtime.spawn(settle_loop(plane.clone()));
+        runtime.spawn(decide_loop(plane.clone()));
         runtime.spawn(accept_loop(listener, plane, stopped));
         *running = Some(Running {
             runtime,
             stop,
             port,
+            connections,
         });
         Ok(port)
     }
 
-    /// Stops listening and ends every exchange still open: an answered one's end is queued in
-    /// the ledger, for the router's next `settle()` (`Listening.close` calls it); one not yet
-    /// answered is ended at once.
-    fn stop(&self, py: Python<'_>) {
-        let running = self.running.lock().expect("data plane lock").take();
-        if let Some(r) = running {
-            let _ = r.stop.send(true);
-            py.detach(|| r.runtime.shutdown_timeout(Duration::from_secs(5)));
+    /// Stops listening, then lets the requests in progress finish for up to `grace_s` seconds
+    /// (their connections close as each answer, a stream too, has gone out; idle ones close at
+    /// once), then ends every exchange still open: an answered one's end is queued in the
+    /// ledger, for the router's next `settle()` (`Listening.close` calls it); one not yet
+    /// answered is ended at once. Returns the connections that were still open at the end.
+    #[pyo3(signature = (grace_s=0.0))]
+    fn stop(&self, py: Python<'_>, grace_s: f64) -> PyResult<usize> {
+        if !(grace_s.is_finite() && grace_s >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "grace_s must be a non-negative number of seconds, got {grace_s}"
+            )));
         }
+        let running = self.running.lock().expect("data plane lock").take();
+        let Some(r) = running else { return Ok(0) };
+        let _ = r.stop.send(true);
+        let left = py.detach(|| {
+            let deadline = Instant::now() + Duration::from_secs_f64(grace_s.min(1e6));
+            while r.connections.load(Ordering::Relaxed) > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let left = r.connections.load(Ordering::Relaxed);
+            r.runtime.shutdown_timeout(Duration::from_secs(5));
+            left
+        });
+        Ok(left)
     }
 
     /// The booking steps queued since the last call, in order, as `Router.settle` applies them:
