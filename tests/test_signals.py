@@ -3,12 +3,14 @@ SIGTERM, also when started with SIGINT ignored (as a shell's background job is).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,28 +62,11 @@ def stops(proc: subprocess.Popen[bytes], sig: signal.Signals) -> int | None:
         return None
 
 
-def test_the_router_and_the_emulator_stop_on_sigterm_and_sigint():
+@contextlib.contextmanager
+def emulator_and_router() -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]]:
+    """``smetric emulate`` (one worker, real time) and a router in front of it, both started with
+    SIGINT ignored; whatever is still running at the end is killed."""
     worker_port, router_port = free_port(), free_port()
-    emulator = start("smetric", "emulate", "--workers", "1", "--base-port", str(worker_port))
-    worker = f"http://127.0.0.1:{worker_port}"
-    router = None
-    try:
-        ready(worker)
-        router = start("smetric.launch_router", "--worker-urls", worker, "--port", str(router_port))
-        ready(f"http://127.0.0.1:{router_port}")
-        router_status = stops(router, signal.SIGTERM)
-        emulator_status = stops(emulator, signal.SIGINT)  # ignored at start: still heard
-    finally:
-        for p in (router, emulator):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-    assert (router_status, emulator_status) == (0, 0)
-
-
-def test_on_sigterm_the_router_lets_a_stream_in_progress_finish_and_refuses_new_ones():
-    worker_port, router_port = free_port(), free_port()
-    # Real time (x1): 400 tokens out take the emulated worker about 2.4 s.
     emulator = start("smetric", "emulate", "--workers", "1", "--base-port", str(worker_port))
     worker = f"http://127.0.0.1:{worker_port}"
     router = None
@@ -90,7 +75,25 @@ def test_on_sigterm_the_router_lets_a_stream_in_progress_finish_and_refuses_new_
         router = start("smetric.launch_router", "--worker-urls", worker, "--port", str(router_port))
         base = f"http://127.0.0.1:{router_port}"
         ready(base)
-        body = b'{"text": "hello", "stream": true, "sampling_params": {"max_new_tokens": 400}}'
+        yield emulator, router, base
+    finally:
+        for p in (router, emulator):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_the_router_and_the_emulator_stop_on_sigterm_and_sigint():
+    with emulator_and_router() as (emulator, router, _):
+        router_status = stops(router, signal.SIGTERM)
+        emulator_status = stops(emulator, signal.SIGINT)  # ignored at start: still heard
+    assert (router_status, emulator_status) == (0, 0)
+
+
+def test_on_sigterm_the_router_lets_a_stream_in_progress_finish_and_refuses_new_ones():
+    # 400 tokens out take the emulated worker (real time) about 2.4 s.
+    body = b'{"text": "hello", "stream": true, "sampling_params": {"max_new_tokens": 400}}'
+    with emulator_and_router() as (_, router, base):
         request = urllib.request.Request(
             base + "/generate", body, {"Content-Type": "application/json"}
         )
@@ -105,11 +108,6 @@ def test_on_sigterm_the_router_lets_a_stream_in_progress_finish_and_refuses_new_
                 refused = True
             rest = [line.strip() for line in stream if line.strip()]
         status = router.wait(timeout=30)
-    finally:
-        for p in (router, emulator):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
     assert first.startswith(b"data: {")
     assert rest[-1:] == [b"data: [DONE]"] and len(rest) >= 399  # every token, then the end
     assert refused and status == 0
