@@ -97,28 +97,15 @@ enum Kind {
 }
 
 /// The booking steps taken since the router last settled, in the order they happened.
+#[derive(Default)]
 struct Ledger {
     steps: Mutex<Vec<Step>>,
     /// Told when a step goes into an empty ledger (`settle_loop`).
     queued: Notify,
-    /// `Instant`s to `perf_counter` seconds: one moment on both clocks, taken at `start`.
-    clock: Mutex<(Instant, f64)>,
 }
 
 impl Ledger {
-    fn new() -> Self {
-        Ledger {
-            steps: Mutex::new(Vec::new()),
-            queued: Notify::new(),
-            clock: Mutex::new((Instant::now(), 0.0)),
-        }
-    }
-
-    fn push(&self, ex: Shared, kind: Kind) {
-        let at = {
-            let (base, secs) = *self.clock.lock().expect("ledger clock");
-            secs + base.elapsed().as_secs_f64()
-        };
+    fn push(&self, ex: Shared, kind: Kind, at: f64) {
         let mut steps = self.steps.lock().expect("ledger");
         steps.push(Step { ex, kind, at });
         if steps.len() == 1 {
@@ -161,12 +148,23 @@ fn settle(plane: &Plane) {
     })
 }
 
+impl Plane {
+    /// A booking step, now.
+    fn book(&self, ex: Shared, kind: Kind) {
+        let (base, secs) = self.clock;
+        self.ledger
+            .push(ex, kind, secs + base.elapsed().as_secs_f64());
+    }
+}
+
 struct Plane {
     router: Py<PyAny>,
     /// Client connections still open (shared with `Running`).
     connections: Arc<AtomicUsize>,
     decisions: Decisions,
     ledger: Arc<Ledger>,
+    /// One moment on both clocks, taken at `start`: `Instant`s to `perf_counter` seconds.
+    clock: (Instant, f64),
     /// Base URL of the Python application that serves every other route.
     internal: String,
     client: Client<HttpConnector, Full<Bytes>>,
@@ -292,26 +290,18 @@ impl Relay {
         self.upstream = None;
         if let Some(ex) = self.ex.take() {
             let span = self.t_last.duration_since(self.t_first).as_secs_f64();
-            let known = match outcome {
-                "ok" => Some("ok"),
-                "client_gone" => Some("client_gone"),
-                _ => None,
-            };
-            if let Some(outcome) = known {
+            if let Some(outcome) = ["ok", "client_gone"].into_iter().find(|o| *o == outcome) {
                 let events = self.events;
                 let kind = Kind::End {
                     outcome,
                     events,
                     span,
                 };
-                self.plane.ledger.push(ex, kind);
+                self.plane.book(ex, kind);
                 return;
             }
             let tail: Vec<u8> = Python::attach(|py| {
-                let router = self.plane.router.bind(py);
-                if let Err(e) = router.call_method0("settle") {
-                    e.print(py);
-                }
+                settle(&self.plane); // the stream's earlier steps first
                 match ex
                     .bind(py)
                     .call_method1("end", (outcome, self.events, span))
@@ -550,13 +540,12 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     let Ok((parts, begun)) = decided.await else {
         return Ok(error_response(503, "ServerError", "the router is stopping"));
     };
-    let (ex, target, stream) = match begun {
+    let (mut ex, target, stream) = match begun {
         Err(e) => return Ok(Python::attach(|py| router_error(py, e))),
         Ok(Begun::Internal) => return Ok(to_internal(&plane, parts, raw).await),
         Ok(Begun::Respond(resp)) => return Ok(resp),
         Ok(Begun::Exchange(ex, target, stream)) => (ex, target, stream),
     };
-    let mut ex = ex;
     Ok(
         forward(&plane, parts.uri.path(), raw, &mut ex, target, stream)
             .await
@@ -820,7 +809,7 @@ fn book(plane: &Plane, ex: &mut Exchange, streaming: bool, status: u16, body_len
         status,
         record,
     };
-    plane.ledger.push(handed.clone(), kind);
+    plane.book(handed.clone(), kind);
     if !record {
         spawn_record(handed.clone(), body_len);
     }
@@ -1023,7 +1012,7 @@ impl PyDataPlane {
             read_timeout: seconds("read_timeout_s", read_timeout_s)?,
             connect_timeout: seconds("connect_timeout_s", connect_timeout_s)?,
             threads,
-            ledger: Arc::new(Ledger::new()),
+            ledger: Arc::default(),
             turns: Arc::new(TurnCounts::default()),
             running: Mutex::new(None),
         })
@@ -1053,7 +1042,6 @@ impl PyDataPlane {
             .pool_idle_timeout(Duration::from_secs(90))
             .build(connector);
         let perf_counter: f64 = py.import("time")?.call_method0("perf_counter")?.extract()?;
-        *self.ledger.clock.lock().expect("ledger clock") = (Instant::now(), perf_counter);
         let connections = Arc::new(AtomicUsize::new(0));
         let plane = Arc::new(Plane {
             router: self.router.clone_ref(py),
@@ -1064,6 +1052,7 @@ impl PyDataPlane {
                 counts: self.turns.clone(),
             },
             ledger: self.ledger.clone(),
+            clock: (Instant::now(), perf_counter),
             internal: self.internal.clone(),
             client,
             max_payload: self.max_payload,
