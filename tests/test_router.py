@@ -977,6 +977,84 @@ def test_a_stream_passes_each_event_on_as_it_arrives_and_a_burst_whole():
     assert in_flight == 0
 
 
+class OneWriteStream:
+    """A worker on a bare socket that sends each streamed answer, head, events and end, in one
+    write (as a worker's answer reaches a busy router: already whole in its socket), or with
+    ``broken``, the head and the events but ``[DONE]``, and then a closed connection with no
+    end."""
+
+    EVENTS = b"".join(b'data: {"text": "%d"}\n\n' % i for i in range(6)) + b"data: [DONE]\n\n"
+
+    def __init__(self, broken: bool = False) -> None:
+        self.broken = broken
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                line, *fields = head.decode().split("\r\n")
+                headers = dict(f.lower().split(": ", 1) for f in fields if f)
+                await reader.readexactly(int(headers.get("content-length", 0)))
+                if line.startswith("POST /generate"):
+                    events = self.EVENTS
+                    if self.broken:
+                        events = events.removesuffix(b"data: [DONE]\n\n")
+                    chunked = b"%x\r\n%s\r\n" % (len(events), events)
+                    end = b"" if self.broken else b"0\r\n\r\n"
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                        b"Transfer-Encoding: chunked\r\n\r\n" + chunked + end
+                    )
+                    if self.broken:
+                        writer.close()
+                        return
+                else:
+                    info = json.dumps({"max_total_num_tokens": 100_000, "model_path": "m"})
+                    writer.write(
+                        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(info), info.encode())
+                    )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_stream_that_arrives_whole_goes_out_whole_and_is_booked(broken):
+    async def main():
+        worker = OneWriteStream(broken)
+        server = await asyncio.start_server(worker.handle, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
+        try:
+            async with aiohttp.ClientSession() as session:
+                bodies = []
+                for _ in range(3):
+                    body = {"text": "a", "stream": True}
+                    async with session.post(base + "/generate", json=body) as r:
+                        bodies.append((r.status, await r.read()))
+            router.settle()
+            w = router.workers[url]
+            return bodies, w.in_flight, w.errors_total, router.requests
+        finally:
+            await rrunner.close()
+            server.close()
+
+    bodies, in_flight, errors, requests = asyncio.run(main())
+    if broken:  # the events that came, then the error event, and the stream ends cleanly
+        events = OneWriteStream.EVENTS.removesuffix(b"data: [DONE]\n\n")
+        for status, body in bodies:
+            assert status == 200 and body.startswith(events)
+            error = json.loads(body[len(events) :].split(b"\n\n")[0][6:])
+            assert error["error"]["code"] == 502
+            assert body.endswith(b"\n\ndata: [DONE]\n\n")
+        assert errors == 3
+    else:
+        assert bodies == [(200, OneWriteStream.EVENTS)] * 3
+        assert errors == 0
+    assert in_flight == 0
+    assert requests[("generate", 200)] == 3
+
+
 async def paced(
     worker: PacedStream,
     test: Callable[[Router, str, aiohttp.ClientSession], Awaitable[Any]],

@@ -233,7 +233,8 @@ fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
 /// Chunks that have already reached the router go out together: when the worker's body has
 /// nothing ready but this body holds data, it yields to the runtime (up to `RELAY_YIELDS` times,
 /// so the worker connection's task can hand over what it has read) before answering with what
-/// it holds.
+/// it holds; the head waits the same way for what came with the first chunk (`gather`), so an
+/// answer that reached the router whole leaves in one write.
 /// Nothing waits for bytes still on the wire, so each chunk still leaves as soon as it arrives;
 /// what is saved is a write (a system call and a TCP segment) per chunk.
 struct Relay {
@@ -261,7 +262,7 @@ impl Relay {
             ex: Some(ex),
             upstream: Some(upstream),
             held: Vec::new(),
-            yielded: RELAY_YIELDS, // the first chunk goes at once
+            yielded: RELAY_YIELDS, // `gather` has already waited for more
             deadline,
             events: 0,
             t_first: now,
@@ -315,6 +316,38 @@ impl Relay {
             });
             if !tail.is_empty() {
                 self.held.push(Bytes::from(tail));
+            }
+        }
+    }
+
+    /// Before the head goes out: takes what the worker has already sent beyond the first
+    /// chunk (yielding up to `RELAY_YIELDS` times, so its connection's task can hand it over),
+    /// so that the head, the first chunk and whatever came with it leave in one write.
+    async fn gather(&mut self) {
+        let mut yielded = 0;
+        while let Some(upstream) = self.upstream.as_mut() {
+            if self.held.iter().map(Bytes::len).sum::<usize>() >= RELAY_FLUSH_BYTES {
+                break;
+            }
+            let polled =
+                std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *upstream).poll_frame(cx)))
+                    .await;
+            match polled {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Ok(data) = frame.into_data() {
+                        if !data.is_empty() {
+                            self.hold(data);
+                            yielded = 0;
+                        }
+                    }
+                }
+                Poll::Ready(None) => self.finish("ok"),
+                Poll::Ready(Some(Err(e))) => self.finish(&format!("broke:ClientPayloadError: {e}")),
+                Poll::Pending if yielded < RELAY_YIELDS => {
+                    yielded += 1;
+                    tokio::task::yield_now().await;
+                }
+                Poll::Pending => break,
             }
         }
     }
@@ -765,7 +798,8 @@ async fn forward(
                     // Booked (queued in the ledger) before the client sees it; the stream's end
                     // is the `Relay`'s to report.
                     let handed = book(plane, ex, true, status, raw.len());
-                    let relay = Relay::new(plane.clone(), handed, body, first);
+                    let mut relay = Relay::new(plane.clone(), handed, body, first);
+                    relay.gather().await;
                     return Ok(respond(status, &out_headers, relay.boxed()));
                 }
             }
