@@ -100,6 +100,25 @@ def test_cache_aware_balances_when_load_is_imbalanced_even_on_a_hit():
     assert p.select(req(), c).reason == "cache_hit"
 
 
+def test_cache_aware_breaks_ties_as_sglang_router_does():
+    p = make_policy("cache_aware")
+    # Equal matches: the less loaded, then the first.
+    c = cluster(w("a", hit=80, in_flight=2), w("b", hit=80, in_flight=1), w("c", hit=80))
+    assert (p.select(req(), c).worker, p.select(req(), c).reason) == (2, "cache_hit")
+    c = cluster(w("a", hit=80, in_flight=1), w("b", hit=80, in_flight=1))
+    assert p.select(req(), c).worker == 0
+    # A miss: the fewest in flight, then the least queued prefill, then the first.
+    c = cluster(w("a", in_flight=1, queued=10), w("b", in_flight=1, queued=5), w("c", in_flight=1))
+    assert (p.select(req(), c).worker, p.select(req(), c).reason) == (2, "cache_miss_balance")
+    c = cluster(w("a", in_flight=2), w("b", in_flight=1, queued=5), w("c", in_flight=1, queued=5))
+    assert p.select(req(), c).worker == 1
+    # Imbalanced: the least loaded, wherever it sits.
+    c = cluster(w("a", in_flight=100), w("b", hit=90, in_flight=300), w("c", in_flight=100))
+    assert (p.select(req(), c).worker, p.select(req(), c).reason) == (0, "imbalance_balance")
+    with pytest.raises(ValueError):
+        p.select(req(), cluster())
+
+
 def test_lmetric_weighs_queued_prefill_and_uncached_tokens_by_batch_size():
     p = make_policy("lmetric")
     # a: (0 + 1600) x 4 = 6400; b: (500 + 0) x 3 = 1500 (holds the whole prompt); c: 1600 x 1.

@@ -18,8 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -90,9 +89,8 @@ _TEXT_BLOCK_TOKENS = TEXT_BLOCK_BYTES / BYTES_PER_TOKEN
 """Tokens per text key block (an estimate)."""
 
 
-@dataclass(frozen=True)
-class PromptKey:
-    """A prompt as the index and the engine see it."""
+class PromptKey(NamedTuple):
+    """A prompt as the index and the engine see it (a named tuple: built for every request)."""
 
     keys: BlockKeys
     prompt_tokens: int
@@ -128,9 +126,9 @@ SESSION_HEADERS = ("x-smg-routing-key", "x-session-id")
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """What policies see of a request: its keyed prompt and a few facts about it."""
+class RequestView(NamedTuple):
+    """What policies see of a request: its keyed prompt and a few facts about it (a named
+    tuple: built for every request)."""
 
     api: str
     """``generate``, ``chat`` or ``completions``."""

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from smetric.cluster import ClusterView, Decision
-from smetric.policies import PolicyConfig, least_loaded
+from smetric.policies import PolicyConfig
 from smetric.request import RequestView
 
 
@@ -18,14 +18,31 @@ class CacheAware:
         self.config = config or PolicyConfig()
 
     def select(self, req: RequestView, cluster: ClusterView) -> Decision:
+        # One pass: the in-flight spread, the least loaded worker (``least_loaded``'s order)
+        # and the longest match (ties: the less loaded, then the first).
         c = self.config
-        loads = [w.in_flight for w in cluster.workers]
-        if max(loads) - min(loads) > c.balance_abs_threshold and max(loads) > (
-            c.balance_rel_threshold * min(loads)
-        ):
-            return Decision(least_loaded(cluster), "imbalance_balance")
-        hits = [w.local_hit_blocks for w in cluster.workers]
-        best = max(range(len(hits)), key=lambda i: (hits[i], -loads[i]))
-        if cluster.query_blocks and hits[best] / cluster.query_blocks > c.cache_threshold:
+        workers = cluster.workers
+        if not workers:
+            raise ValueError("cache_aware: no worker to choose from")
+        w = workers[0]
+        lo = hi = least_load = best_load = w.in_flight
+        least_queued = w.queued_prefill_tokens
+        best_hit = w.local_hit_blocks
+        least = best = 0
+        for i in range(1, len(workers)):
+            w = workers[i]
+            load = w.in_flight
+            if load > hi:
+                hi = load
+            elif load < lo:
+                lo = load
+            if load < least_load or (load == least_load and w.queued_prefill_tokens < least_queued):
+                least, least_load, least_queued = i, load, w.queued_prefill_tokens
+            hit = w.local_hit_blocks
+            if hit > best_hit or (hit == best_hit and load < best_load):
+                best, best_hit, best_load = i, hit, load
+        if hi - lo > c.balance_abs_threshold and hi > c.balance_rel_threshold * lo:
+            return Decision(least, "imbalance_balance")
+        if cluster.query_blocks and best_hit / cluster.query_blocks > c.cache_threshold:
             return Decision(best, "cache_hit")
-        return Decision(least_loaded(cluster), "cache_miss_balance")
+        return Decision(least, "cache_miss_balance")

@@ -890,8 +890,10 @@ class Router:
     def _predict_cache(self, worker: Worker, view: RequestView) -> None:
         """The worker took the request: it will hold the prompt once it has served it, and
         write it through to the global tier."""
-        with contextlib.suppress(KeyError):  # the worker was removed meanwhile
+        try:  # noqa: SIM105 (on every request: suppress() builds a context manager each time)
             self.index.insert(worker.url, view.key.keys, step=RECORD_STEP_BLOCKS)
+        except KeyError:  # the worker was removed meanwhile
+            pass
         if self.config.global_tier:
             self.index.insert(GLOBAL_TIER, view.key.keys, step=RECORD_STEP_BLOCKS)
 
