@@ -13,9 +13,9 @@ fi
 
 echo "== cargo fmt / clippy / test"
 cargo fmt --all -- --check
-cargo clippy --all-targets -- -D warnings
+cargo clippy --all-targets --features upstream -- -D warnings
 cargo clippy --features python -- -D warnings
-cargo test -q
+cargo test -q --features upstream
 
 echo "== ruff / mypy"
 .venv/bin/ruff check .

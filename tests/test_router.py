@@ -771,6 +771,38 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[-1][1]}"
 
 
+def test_a_worker_closing_idle_connections_costs_no_request_and_no_retry():
+    """SGLang's server (uvicorn) closes a connection idle for 5 s; this worker, after 50 ms.
+    The router's pooled connection is then closed, and a request sent on it must go again on a
+    fresh one, without a failure, a retry or a mark against the worker."""
+
+    async def main():
+        worker = FlakyLoads()
+        worker.loads = b'{"loads": []}'
+        runner = web.AppRunner(worker.app(), keepalive_timeout=0.05)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = f"http://127.0.0.1:{runner.addresses[-1][1]}"
+        router, rrunner, base = await start_router(RouterConfig(worker_urls=[url]))
+        try:
+            statuses = []
+            async with aiohttp.ClientSession() as session:
+                for pause in (0.0, 0.1, 0.0, 0.1, 0.1):
+                    await asyncio.sleep(pause)
+                    async with session.post(base + "/generate", json={"text": "a"}) as r:
+                        statuses.append((r.status, (await r.json())["text"]))
+            router.settle()
+            w = router.workers[url]
+            return statuses, router.retries, w.errors_total, w.in_flight
+        finally:
+            await rrunner.close()
+            await runner.cleanup()
+
+    statuses, retries, errors, in_flight = asyncio.run(main())
+    assert statuses == [(200, "ok")] * 5
+    assert (retries, errors, in_flight) == (0, 0, 0)
+
+
 def test_a_malformed_load_report_does_not_stop_load_polling():
     async def main():
         worker = FlakyLoads()

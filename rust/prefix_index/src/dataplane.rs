@@ -1,5 +1,5 @@
-//! The router's data plane: the HTTP/1.1 server clients talk to and the client that forwards to
-//! workers, on tokio and hyper, so that Python keeps only the decisions.
+//! The router's data plane: the HTTP/1.1 server clients talk to (hyper) and the client that
+//! forwards to workers (`upstream.rs`), on tokio, so that Python keeps only the decisions.
 //!
 //! For `POST /generate`, `/v1/chat/completions` and `/v1/completions` the server reads the body
 //! and hands it to the Python router (`dp_begin`), which keys it, picks a worker and returns an
@@ -41,7 +41,7 @@ use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Body as _;
 use hyper::body::{Frame, Incoming};
-use hyper::header::{HeaderName, HeaderValue, CONTENT_ENCODING, CONTENT_TYPE};
+use hyper::header::{HeaderName, HeaderValue, CONTENT_TYPE};
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
@@ -53,6 +53,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::copy;
+use crate::upstream::{AnswerBody, Upstream};
 use pyo3::types::PyList;
 use tokio::sync::{oneshot, watch, Notify};
 
@@ -167,7 +168,10 @@ struct Plane {
     clock: (Instant, f64),
     /// Base URL of the Python application that serves every other route.
     internal: String,
+    /// Towards the Python application (`to_internal`).
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Towards workers.
+    upstream: Upstream,
     max_payload: usize,
     /// The longest wait for a worker's next bytes (the head, or the next chunk).
     read_timeout: Duration,
@@ -230,11 +234,10 @@ fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
 /// exchange as `client_gone` and, dropping the worker's body unread, closes that connection so
 /// the worker stops generating.
 ///
-/// Chunks that have already reached the router go out together: when the worker's body has
-/// nothing ready but this body holds data, it yields to the runtime (up to `RELAY_YIELDS` times,
-/// so the worker connection's task can hand over what it has read) before answering with what
-/// it holds; the head waits the same way for what came with the first chunk (`gather`), so an
-/// answer that reached the router whole leaves in one write.
+/// What has reached the router goes out together: the worker's body gives all it has at each
+/// poll (`upstream.rs`), and this body answers with all it holds once the worker's has nothing
+/// more; the head takes what came with the first chunk along (`gather`), so an answer that
+/// reached the router whole leaves in one write. Nothing waits for bytes still on the wire.
 /// Nothing waits for bytes still on the wire, so each chunk still leaves as soon as it arrives;
 /// what is saved is a write (a system call and a TCP segment) per chunk.
 struct Relay {
@@ -242,10 +245,8 @@ struct Relay {
     /// The exchange until its `end` is called.
     ex: Option<Shared>,
     /// The worker's stream until it ends or breaks.
-    upstream: Option<Incoming>,
+    upstream: Option<AnswerBody>,
     held: Vec<Bytes>,
-    /// How many times this body has yielded since it last took data from the worker.
-    yielded: u8,
     /// When the worker's silence counts as broken (reset at each chunk).
     deadline: Pin<Box<tokio::time::Sleep>>,
     events: usize,
@@ -254,7 +255,7 @@ struct Relay {
 }
 
 impl Relay {
-    fn new(plane: Arc<Plane>, ex: Shared, upstream: Incoming, first: Bytes) -> Self {
+    fn new(plane: Arc<Plane>, ex: Shared, upstream: AnswerBody, first: Bytes) -> Self {
         let now = Instant::now();
         let deadline = Box::pin(tokio::time::sleep(plane.read_timeout));
         let mut relay = Relay {
@@ -262,7 +263,6 @@ impl Relay {
             ex: Some(ex),
             upstream: Some(upstream),
             held: Vec::new(),
-            yielded: RELAY_YIELDS, // `gather` has already waited for more
             deadline,
             events: 0,
             t_first: now,
@@ -320,34 +320,34 @@ impl Relay {
         }
     }
 
-    /// Before the head goes out: takes what the worker has already sent beyond the first
-    /// chunk (yielding up to `RELAY_YIELDS` times, so its connection's task can hand it over),
-    /// so that the head, the first chunk and whatever came with it leave in one write.
+    /// Before the head goes out: takes what else of the worker's answer has already arrived.
     async fn gather(&mut self) {
-        let mut yielded = 0;
-        while let Some(upstream) = self.upstream.as_mut() {
-            if self.held.iter().map(Bytes::len).sum::<usize>() >= RELAY_FLUSH_BYTES {
-                break;
-            }
-            let polled =
-                std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *upstream).poll_frame(cx)))
-                    .await;
-            match polled {
-                Poll::Ready(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        if !data.is_empty() {
-                            self.hold(data);
-                            yielded = 0;
-                        }
-                    }
+        std::future::poll_fn(|cx| {
+            let _ = self.pull(cx); // what has not arrived yet goes later, with the rest
+            Poll::Ready(())
+        })
+        .await
+    }
+
+    /// Takes what the worker's body has, until it has nothing more now (`Pending`, with the
+    /// task woken when it has), ends, or breaks; or until enough is held to send.
+    fn pull(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let held: usize = self.held.iter().map(Bytes::len).sum();
+            let Some(upstream) = self.upstream.as_mut().filter(|_| held < RELAY_FLUSH_BYTES) else {
+                return Poll::Ready(());
+            };
+            match upstream.poll_data(cx, &self.plane.upstream) {
+                Poll::Ready(Some(Ok(data))) => {
+                    self.hold(data);
+                    let timeout = self.plane.read_timeout;
+                    self.deadline
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + timeout);
                 }
                 Poll::Ready(None) => self.finish("ok"),
                 Poll::Ready(Some(Err(e))) => self.finish(&format!("broke:ClientPayloadError: {e}")),
-                Poll::Pending if yielded < RELAY_YIELDS => {
-                    yielded += 1;
-                    tokio::task::yield_now().await;
-                }
-                Poll::Pending => break,
+                Poll::Pending => return Poll::Pending,
             }
         }
     }
@@ -363,11 +363,6 @@ impl Relay {
     }
 }
 
-/// How many times in a row a body holding data yields for more before it answers: once is not
-/// always enough for the worker connection's task to run (measured: two gather every chunk the
-/// router has read).
-const RELAY_YIELDS: u8 = 2;
-
 /// Held data worth sending without trying for more.
 const RELAY_FLUSH_BYTES: usize = 64 << 10;
 
@@ -380,42 +375,11 @@ impl hyper::body::Body for Relay {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = self.get_mut();
-        loop {
-            let held: usize = this.held.iter().map(Bytes::len).sum();
-            let Some(upstream) = this.upstream.as_mut().filter(|_| held < RELAY_FLUSH_BYTES) else {
-                break;
-            };
-            match Pin::new(upstream).poll_frame(cx) {
-                Poll::Ready(Some(Ok(frame))) => {
-                    if let Ok(data) = frame.into_data() {
-                        if !data.is_empty() {
-                            this.hold(data);
-                            this.yielded = 0;
-                            let timeout = this.plane.read_timeout;
-                            this.deadline
-                                .as_mut()
-                                .reset(tokio::time::Instant::now() + timeout);
-                        }
-                    }
-                }
-                Poll::Ready(None) => this.finish("ok"),
-                Poll::Ready(Some(Err(e))) => this.finish(&format!("broke:ClientPayloadError: {e}")),
-                Poll::Pending if !this.held.is_empty() => {
-                    if this.yielded >= RELAY_YIELDS {
-                        break;
-                    }
-                    this.yielded += 1;
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
-                }
-                Poll::Pending => {
-                    if this.deadline.as_mut().poll(cx).is_ready() {
-                        this.finish("broke:TimeoutError: the worker went quiet");
-                        continue;
-                    }
-                    return Poll::Pending;
-                }
+        while this.pull(cx).is_pending() && this.held.is_empty() {
+            if this.deadline.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
             }
+            this.finish("broke:TimeoutError: the worker went quiet");
         }
         Poll::Ready(this.take_held().map(|b| Ok(Frame::data(b))))
     }
@@ -511,20 +475,13 @@ async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static
 
 /// The next data of a worker's answer: `Ok(None)` at its end, `Err` when it broke or went
 /// quiet for longer than the read timeout.
-async fn next_data(body: &mut Incoming, timeout: Duration) -> Result<Option<Bytes>, String> {
-    loop {
-        match tokio::time::timeout(timeout, body.frame()).await {
-            Err(_) => return Err("TimeoutError: the worker went quiet".into()),
-            Ok(None) => return Ok(None),
-            Ok(Some(Err(e))) => return Err(format!("ClientPayloadError: {e}")),
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    if !data.is_empty() {
-                        return Ok(Some(data));
-                    }
-                }
-            }
-        }
+async fn next_data(plane: &Plane, body: &mut AnswerBody) -> Result<Option<Bytes>, String> {
+    let next = std::future::poll_fn(|cx| body.poll_data(cx, &plane.upstream));
+    match tokio::time::timeout(plane.read_timeout, next).await {
+        Err(_) => Err("TimeoutError: the worker went quiet".into()),
+        Ok(None) => Ok(None),
+        Ok(Some(Err(e))) => Err(format!("ClientPayloadError: {e}")),
+        Ok(Some(Ok(data))) => Ok(Some(data)),
     }
 }
 
@@ -745,18 +702,10 @@ async fn forward(
             let (status, body): (u16, Vec<u8>) = extract(ex.call("refusal", ()))?;
             return Ok(json_response(status, body));
         };
-        let mut req = Request::post(format!("{url}{path}"))
-            .body(Full::new(raw.clone()))
-            .map_err(|e| error_response(500, "ServerError", &format!("bad worker URL: {e}")))?;
-        for (k, v) in &headers {
-            if let (Ok(k), Ok(v)) = (HeaderName::try_from(k.as_str()), HeaderValue::try_from(v)) {
-                req.headers_mut().append(k, v);
-            }
-        }
-        let resp = match tokio::time::timeout(plane.read_timeout, plane.client.request(req)).await {
+        let post = plane.upstream.post(&url, path, &headers, &raw);
+        let resp = match tokio::time::timeout(plane.read_timeout, post).await {
             Err(_) => Err("TimeoutError: no answer from the worker in time".to_string()),
-            Ok(Err(e)) => Err(format!("ClientConnectorError: {}", error_chain(&e))),
-            Ok(Ok(r)) => Ok(r),
+            Ok(r) => r,
         };
         let resp = match resp {
             Ok(r) => r,
@@ -765,30 +714,25 @@ async fn forward(
                 continue;
             }
         };
-        let status = resp.status().as_u16();
+        let status = resp.status;
         if status >= 500 {
             ex.failed(format!("worker answered {status}")).await?;
             continue;
         }
-        let text = |name| {
-            resp.headers()
-                .get(name)
-                .and_then(|v: &HeaderValue| v.to_str().ok())
-                .map(str::to_owned)
-        };
         out_headers.push((
             "content-type".to_owned(),
-            text(CONTENT_TYPE).unwrap_or_else(|| "application/json".into()),
+            resp.content_type
+                .unwrap_or_else(|| "application/json".into()),
         ));
-        if let Some(cenc) = text(CONTENT_ENCODING) {
+        if let Some(cenc) = resp.content_encoding {
             out_headers.push(("content-encoding".to_owned(), cenc));
         }
-        let mut body = resp.into_body();
+        let mut body = resp.body;
         let mut data = Vec::new();
         if stream && status == 200 {
             // Wait for the first bytes before answering: until then a failed worker can be
             // retried. An empty stream is answered whole, below.
-            match next_data(&mut body, plane.read_timeout).await {
+            match next_data(plane, &mut body).await {
                 Err(reason) => {
                     ex.failed(reason).await?;
                     continue;
@@ -805,7 +749,7 @@ async fn forward(
             }
         } else {
             let broke = loop {
-                match next_data(&mut body, plane.read_timeout).await {
+                match next_data(plane, &mut body).await {
                     Ok(Some(chunk)) => data.extend_from_slice(&chunk),
                     Ok(None) => break None,
                     Err(reason) => break Some(reason),
@@ -1089,6 +1033,7 @@ impl PyDataPlane {
             clock: (Instant::now(), perf_counter),
             internal: self.internal.clone(),
             client,
+            upstream: Upstream::new(self.connect_timeout),
             max_payload: self.max_payload,
             read_timeout: self.read_timeout,
             events: memchr::memmem::Finder::new(b"data: {").into_owned(),

@@ -13,6 +13,8 @@ pub mod request;
 mod dataplane;
 #[cfg(feature = "python")]
 mod python;
+#[cfg(feature = "upstream")]
+pub mod upstream;
 
 pub use index::{IndexError, IndexStats, InstanceStats, MatchResult, PrefixIndex, GLOBAL_TIER};
 pub use keys::{chain_ids, hash_text, hash_tokens, sglang_page_hashes};

@@ -1,0 +1,791 @@
+//! The data plane's client towards workers: HTTP/1.1 `POST`s over pooled keep-alive
+//! connections, read by the task that relays the answer.
+//!
+//! hyper's client runs each connection in a task of its own and hands a body over a channel,
+//! one chunk per round trip between the two tasks: a streamed answer of six events took six
+//! hand-overs even when all of it had reached the router in one read. Here the answer's body
+//! owns its connection and decodes, at each poll, everything its buffer and socket hold: a
+//! `Pending` then means that nothing more has arrived, so the relay never waits on a
+//! hand-over and never holds a first chunk back for a next one still on the wire.
+//!
+//! A connection goes back to the pool only once its answer has been read to its end, with
+//! nothing after it; a body dropped before that (the client went away) closes its connection,
+//! which tells the worker to stop. A pooled connection the worker has closed meanwhile (an
+//! idle timeout) is noticed when taken, or when sending on it fails or it closes with no byte
+//! of an answer: the request then goes once more, on a fresh connection.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice};
+use std::sync::Mutex;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::Interest;
+use tokio::net::TcpStream;
+
+/// How long an idle connection is kept (hyper's default pool timeout was the same).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// The most an answer's head may take.
+const MAX_HEAD_BYTES: usize = 64 << 10;
+/// The most headers an answer's head may have.
+const MAX_HEADERS: usize = 128;
+/// What one read asks the socket for, at least.
+const READ_BYTES: usize = 16 << 10;
+
+/// Connections to workers, idle ones kept per `host:port`.
+pub struct Upstream {
+    idle: Mutex<Idle>,
+    connect_timeout: Duration,
+}
+
+struct Idle {
+    conns: HashMap<String, Vec<(TcpStream, Instant)>>,
+    /// When connections idle past `IDLE_TIMEOUT` were last closed (those of a worker no longer
+    /// asked for, which no checkout would see, too).
+    swept: Instant,
+}
+
+/// A worker's answer: its status, the headers the router passes on, and its body.
+pub struct Answer {
+    pub status: u16,
+    pub content_type: Option<String>,
+    pub content_encoding: Option<String>,
+    pub body: AnswerBody,
+}
+
+/// The rest of an answer, read from its connection as it is polled (`poll_data`).
+pub struct AnswerBody {
+    stream: Option<TcpStream>,
+    /// Bytes read and not yet decoded.
+    buf: BytesMut,
+    framing: Framing,
+    /// Whether the connection may carry another request once this body has been read.
+    keep_alive: bool,
+    /// Where the connection goes back to (`host:port`).
+    authority: String,
+}
+
+#[derive(Debug, PartialEq)]
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    Chunked(Chunk),
+    /// Until the worker closes the connection.
+    Close,
+    Done,
+}
+
+#[derive(Debug, PartialEq)]
+enum Chunk {
+    /// At a chunk's size line.
+    Size,
+    /// Inside a chunk's data, this many bytes left.
+    Data(u64),
+    /// After a chunk's data: its closing CRLF.
+    DataEnd,
+    /// After the last chunk: trailer lines, to the empty one.
+    Trailer,
+}
+
+/// Why a request could not be sent or answered; `stale` where the connection broke before a
+/// byte of the answer came back (on a pooled connection: the worker had closed it).
+struct Failure {
+    reason: String,
+    stale: bool,
+}
+
+impl Upstream {
+    pub fn new(connect_timeout: Duration) -> Self {
+        Upstream {
+            idle: Mutex::new(Idle {
+                conns: HashMap::new(),
+                swept: Instant::now(),
+            }),
+            connect_timeout,
+        }
+    }
+
+    /// `POST {url}{path}` with `headers` and `body`; the answer once its head has come. A
+    /// pooled connection that turns out closed is replaced once.
+    pub async fn post(
+        &self,
+        url: &str,
+        path: &str,
+        headers: &[(String, String)],
+        body: &[u8],
+    ) -> Result<Answer, String> {
+        let authority = authority(url)?;
+        let head = request_head(authority, path, headers, body.len());
+        loop {
+            let (stream, pooled) = match self.checkout(authority) {
+                Some(s) => (s, true),
+                None => (self.connect(authority).await?, false),
+            };
+            match exchange(stream, &head, body).await {
+                Ok((stream, buf, parsed)) => return Ok(parsed.into_answer(stream, buf, authority)),
+                Err(f) if f.stale && pooled => continue,
+                Err(f) => return Err(f.reason),
+            }
+        }
+    }
+
+    fn checkout(&self, authority: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().expect("upstream pool");
+        let conns = idle.conns.get_mut(authority)?;
+        while let Some((stream, since)) = conns.pop() {
+            if since.elapsed() < IDLE_TIMEOUT && still_open(&stream) {
+                return Some(stream);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, authority: String, stream: TcpStream) {
+        let now = Instant::now();
+        let mut idle = self.idle.lock().expect("upstream pool");
+        idle.conns.entry(authority).or_default().push((stream, now));
+        if now.duration_since(idle.swept) > IDLE_TIMEOUT {
+            idle.swept = now;
+            idle.conns.retain(|_, conns| {
+                conns.retain(|(_, since)| now.duration_since(*since) < IDLE_TIMEOUT);
+                !conns.is_empty()
+            });
+        }
+    }
+
+    async fn connect(&self, authority: &str) -> Result<TcpStream, String> {
+        let fail = |e: &dyn std::fmt::Display| {
+            format!("ClientConnectorError: cannot connect to {authority}: {e}")
+        };
+        let stream =
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority)).await {
+                Err(_) => return Err(fail(&"connect timed out")),
+                Ok(Err(e)) => return Err(fail(&e)),
+                Ok(Ok(s)) => s,
+            };
+        let _ = stream.set_nodelay(true);
+        Ok(stream)
+    }
+
+    /// Takes back a connection whose answer has been read whole.
+    pub fn release(&self, body: &mut AnswerBody) {
+        if body.framing == Framing::Done && body.keep_alive && body.buf.is_empty() {
+            if let Some(stream) = body.stream.take() {
+                // The answer was read without a read that found nothing, so the socket still
+                // counts as readable: forget that, or the next request's first read (or the
+                // check at checkout) would be a system call that finds nothing. A close by the
+                // worker from now on marks it readable again; one that this forgets is caught
+                // by sending again on a fresh connection.
+                let _ = stream.try_io(Interest::READABLE, || {
+                    Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                });
+                self.checkin(std::mem::take(&mut body.authority), stream);
+            }
+        }
+        body.stream = None;
+    }
+}
+
+/// An idle pooled connection is usable when nothing is waiting to be read on it: the worker
+/// has neither closed it (a read of 0) nor sent anything unasked.
+fn still_open(stream: &TcpStream) -> bool {
+    let mut probe = [0u8; 1];
+    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+}
+
+/// `host:port` of an `http://` URL (port 80 if none is given).
+fn authority(url: &str) -> Result<&str, String> {
+    let rest = url
+        .strip_prefix("http://")
+        .ok_or_else(|| format!("bad worker URL {url:?}: only http:// is supported"))?;
+    let authority = rest.split('/').next().unwrap_or_default();
+    if authority.is_empty() {
+        return Err(format!("bad worker URL {url:?}: no host"));
+    }
+    Ok(authority)
+}
+
+fn request_head(authority: &str, path: &str, headers: &[(String, String)], len: usize) -> Vec<u8> {
+    let mut head = Vec::with_capacity(256);
+    head.extend_from_slice(b"POST ");
+    head.extend_from_slice(path.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    head.extend_from_slice(authority.as_bytes());
+    head.extend_from_slice(b"\r\ncontent-length: ");
+    head.extend_from_slice(len.to_string().as_bytes());
+    head.extend_from_slice(b"\r\n");
+    for (k, v) in headers {
+        let bad = |s: &str| s.bytes().any(|b| b == b'\r' || b == b'\n');
+        let framing = ["host", "content-length", "transfer-encoding", "connection"]
+            .iter()
+            .any(|f| k.eq_ignore_ascii_case(f));
+        if k.is_empty() || k.contains(':') || bad(k) || bad(v) || framing {
+            continue;
+        }
+        head.extend_from_slice(k.as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(v.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    head
+}
+
+/// What an answer's head says.
+struct Parsed {
+    status: u16,
+    content_type: Option<String>,
+    content_encoding: Option<String>,
+    framing: Framing,
+    keep_alive: bool,
+}
+
+impl Parsed {
+    fn into_answer(self, stream: TcpStream, buf: BytesMut, authority: &str) -> Answer {
+        Answer {
+            status: self.status,
+            content_type: self.content_type,
+            content_encoding: self.content_encoding,
+            body: AnswerBody {
+                stream: Some(stream),
+                buf,
+                framing: self.framing,
+                keep_alive: self.keep_alive,
+                authority: authority.to_owned(),
+            },
+        }
+    }
+}
+
+/// Sends the request and reads the answer's head: the connection, the bytes read past the
+/// head, and what the head says.
+async fn exchange(
+    stream: TcpStream,
+    head: &[u8],
+    body: &[u8],
+) -> Result<(TcpStream, BytesMut, Parsed), Failure> {
+    let broke = |e: io::Error, stale: bool| Failure {
+        reason: format!("ClientConnectorError: {e}"),
+        stale,
+    };
+    let (mut h, mut b) = (head, body);
+    while !h.is_empty() || !b.is_empty() {
+        match stream.try_write_vectored(&[IoSlice::new(h), IoSlice::new(b)]) {
+            Ok(n) => {
+                let from_head = n.min(h.len());
+                h = &h[from_head..];
+                b = &b[n - from_head..];
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                stream.writable().await.map_err(|e| broke(e, true))?
+            }
+            // Nothing of the answer yet: a pooled connection the worker had closed.
+            Err(e) => return Err(broke(e, true)),
+        }
+    }
+    let mut buf = BytesMut::with_capacity(READ_BYTES);
+    loop {
+        if !buf.is_empty() {
+            if let Some((n, parsed)) = parse_head(&buf)? {
+                buf.advance(n);
+                if (100..200).contains(&parsed.status) {
+                    continue; // an interim answer (100 Continue): the real one follows
+                }
+                return Ok((stream, buf, parsed));
+            }
+        }
+        if buf.len() > MAX_HEAD_BYTES {
+            return Err(Failure {
+                reason: "ClientPayloadError: the worker's answer head is too large".into(),
+                stale: false,
+            });
+        }
+        buf.reserve(READ_BYTES);
+        match stream.try_read_buf(&mut buf) {
+            Ok(0) => {
+                return Err(Failure {
+                    reason: "ClientConnectorError: the worker closed the connection before \
+                             answering"
+                        .into(),
+                    stale: buf.is_empty(),
+                })
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                stream.readable().await.map_err(|e| broke(e, false))?
+            }
+            Err(e) => {
+                let stale = buf.is_empty();
+                return Err(broke(e, stale));
+            }
+        }
+    }
+}
+
+/// The head at the start of `buf`, if it is all there: its length and what it says.
+fn parse_head(buf: &[u8]) -> Result<Option<(usize, Parsed)>, Failure> {
+    let bad = |e: &dyn std::fmt::Display| Failure {
+        reason: format!("ClientPayloadError: the worker's answer is not HTTP/1.1: {e}"),
+        stale: false,
+    };
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut slots);
+    let n = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => return Err(bad(&e)),
+    };
+    let status = resp.code.unwrap_or(0);
+    let mut keep_alive = resp.version == Some(1);
+    let (mut content_type, mut content_encoding) = (None, None);
+    let (mut length, mut chunked) = (None, false);
+    for h in resp.headers.iter() {
+        let text = || String::from_utf8_lossy(h.value).trim().to_owned();
+        match h.name.to_ascii_lowercase().as_str() {
+            "content-type" => content_type = Some(text()),
+            "content-encoding" => content_encoding = Some(text()),
+            "content-length" => match text().parse::<u64>() {
+                Ok(l) if length.is_none_or(|m| m == l) => length = Some(l),
+                _ => return Err(bad(&"a bad or conflicting content-length")),
+            },
+            "transfer-encoding" => {
+                let t = text().to_ascii_lowercase();
+                chunked = t.rsplit(',').next().is_some_and(|c| c.trim() == "chunked");
+                if !chunked {
+                    keep_alive = false; // framed by the connection's end
+                }
+            }
+            "connection" => {
+                let t = text().to_ascii_lowercase();
+                if t.split(',').any(|c| c.trim() == "close") {
+                    keep_alive = false;
+                } else if t.split(',').any(|c| c.trim() == "keep-alive") {
+                    keep_alive = true;
+                }
+            }
+            _ => {}
+        }
+    }
+    let framing = if status == 204 || status == 304 || (100..200).contains(&status) {
+        Framing::Done
+    } else if chunked {
+        Framing::Chunked(Chunk::Size)
+    } else if let Some(0) = length {
+        Framing::Done
+    } else if let Some(l) = length {
+        Framing::Length(l)
+    } else {
+        keep_alive = false;
+        Framing::Close
+    };
+    let parsed = Parsed {
+        status,
+        content_type,
+        content_encoding,
+        framing,
+        keep_alive,
+    };
+    Ok(Some((n, parsed)))
+}
+
+impl AnswerBody {
+    /// The body's next data: all that has arrived (`Ok(None)` at its end; the connection then
+    /// goes back to `upstream`'s pool if it can carry another request).
+    pub fn poll_data(
+        &mut self,
+        cx: &mut Context<'_>,
+        upstream: &Upstream,
+    ) -> Poll<Option<Result<Bytes, String>>> {
+        loop {
+            match self.decode() {
+                Err(e) => {
+                    self.stream = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Ok(Some(data)) => return Poll::Ready(Some(Ok(data))),
+                Ok(None) if self.framing == Framing::Done => {
+                    upstream.release(self);
+                    return Poll::Ready(None);
+                }
+                Ok(None) => {}
+            }
+            let Some(stream) = self.stream.as_ref() else {
+                return Poll::Ready(None);
+            };
+            self.buf.reserve(READ_BYTES);
+            match stream.try_read_buf(&mut self.buf) {
+                Ok(0) if self.framing == Framing::Close => self.framing = Framing::Done,
+                Ok(0) => {
+                    self.stream = None;
+                    let e = "the worker closed the connection before the answer's end";
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    match stream.poll_read_ready(cx) {
+                        Poll::Pending => return Poll::Pending,
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => {
+                            self.stream = None;
+                            return Poll::Ready(Some(Err(e.to_string())));
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.stream = None;
+                    return Poll::Ready(Some(Err(e.to_string())));
+                }
+            }
+        }
+    }
+
+    /// The data in `buf` that the framing says is the body's, all of it at once; moves the
+    /// framing on (to `Done` at the body's end).
+    fn decode(&mut self) -> Result<Option<Bytes>, String> {
+        let mut out: Option<BytesMut> = None;
+        let mut take = |buf: &mut BytesMut, n: usize| {
+            let piece = buf.split_to(n);
+            match out.as_mut() {
+                None => out = Some(piece),
+                Some(o) => o.extend_from_slice(&piece),
+            }
+        };
+        loop {
+            match &mut self.framing {
+                Framing::Done => break,
+                Framing::Close => {
+                    if !self.buf.is_empty() {
+                        let n = self.buf.len();
+                        take(&mut self.buf, n);
+                    }
+                    break;
+                }
+                Framing::Length(left) => {
+                    let n = (*left).min(self.buf.len() as u64);
+                    if n > 0 {
+                        take(&mut self.buf, n as usize);
+                        *left -= n;
+                    }
+                    if *left == 0 {
+                        self.framing = Framing::Done;
+                    }
+                    break;
+                }
+                Framing::Chunked(state) => match state {
+                    Chunk::Size => {
+                        let Some(end) = find_crlf(&self.buf)? else {
+                            break;
+                        };
+                        let line = &self.buf[..end];
+                        let digits = line.split(|&b| b == b';').next().unwrap_or_default();
+                        let size = std::str::from_utf8(digits)
+                            .ok()
+                            .and_then(|d| u64::from_str_radix(d.trim(), 16).ok())
+                            .ok_or("a bad chunk size in the worker's answer")?;
+                        self.buf.advance(end + 2);
+                        *state = if size == 0 {
+                            Chunk::Trailer
+                        } else {
+                            Chunk::Data(size)
+                        };
+                    }
+                    Chunk::Data(left) => {
+                        let n = (*left).min(self.buf.len() as u64);
+                        if n == 0 {
+                            break;
+                        }
+                        take(&mut self.buf, n as usize);
+                        *left -= n;
+                        if *left == 0 {
+                            *state = Chunk::DataEnd;
+                        }
+                    }
+                    Chunk::DataEnd => {
+                        if self.buf.len() < 2 {
+                            break;
+                        }
+                        if &self.buf[..2] != b"\r\n" {
+                            return Err(
+                                "a chunk without its closing CRLF in the worker's answer".into()
+                            );
+                        }
+                        self.buf.advance(2);
+                        *state = Chunk::Size;
+                    }
+                    Chunk::Trailer => {
+                        let Some(end) = find_crlf(&self.buf)? else {
+                            break;
+                        };
+                        self.buf.advance(end + 2);
+                        if end == 0 {
+                            self.framing = Framing::Done;
+                        }
+                    }
+                },
+            }
+        }
+        Ok(out.map(BytesMut::freeze))
+    }
+}
+
+/// Where the first CRLF in `buf` is, if a whole line is there (a line is at most a few KB).
+fn find_crlf(buf: &[u8]) -> Result<Option<usize>, String> {
+    match memchr::memmem::find(buf, b"\r\n") {
+        Some(i) => Ok(Some(i)),
+        None if buf.len() > 8 << 10 => {
+            Err("an overlong line in the worker's chunked answer".into())
+        }
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn body(framing: Framing, bytes: &[u8]) -> AnswerBody {
+        AnswerBody {
+            stream: None,
+            buf: BytesMut::from(bytes),
+            framing,
+            keep_alive: true,
+            authority: String::new(),
+        }
+    }
+
+    /// Feeds `wire` in pieces of `step` bytes; what comes out, and whether the body ended.
+    fn feed(framing: Framing, wire: &[u8], step: usize) -> (Vec<u8>, bool) {
+        let mut b = body(framing, b"");
+        let mut out = Vec::new();
+        for piece in wire.chunks(step) {
+            b.buf.extend_from_slice(piece);
+            while let Some(data) = b.decode().expect("valid") {
+                out.extend_from_slice(&data);
+            }
+        }
+        (out, b.framing == Framing::Done)
+    }
+
+    #[test]
+    fn chunked_bodies_decode_whole_however_they_arrive() {
+        let wire = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nx-trailer: 1\r\n\r\n";
+        for step in [1, 2, 3, 7, wire.len()] {
+            assert_eq!(
+                feed(Framing::Chunked(Chunk::Size), wire, step),
+                (b"hello, world".to_vec(), true),
+                "step {step}"
+            );
+        }
+        // Not ended without the last chunk.
+        let (out, done) = feed(Framing::Chunked(Chunk::Size), b"5\r\nhello\r\n", 4);
+        assert_eq!((out, done), (b"hello".to_vec(), false));
+    }
+
+    #[test]
+    fn all_chunks_at_hand_come_out_as_one_piece() {
+        let mut b = body(
+            Framing::Chunked(Chunk::Size),
+            b"3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n",
+        );
+        assert_eq!(b.decode().unwrap().as_deref(), Some(&b"abcdef"[..]));
+        assert_eq!(b.framing, Framing::Done);
+        assert!(b.buf.is_empty());
+    }
+
+    #[test]
+    fn length_bodies_stop_at_their_length() {
+        let mut b = body(Framing::Length(4), b"abcdEXTRA");
+        assert_eq!(b.decode().unwrap().as_deref(), Some(&b"abcd"[..]));
+        assert_eq!(b.framing, Framing::Done);
+        assert_eq!(&b.buf[..], b"EXTRA"); // left there: the connection is not reused
+    }
+
+    #[test]
+    fn malformed_chunks_are_errors() {
+        assert!(body(Framing::Chunked(Chunk::Size), b"zz\r\n")
+            .decode()
+            .is_err());
+        assert!(body(Framing::Chunked(Chunk::Size), b"3\r\nabcXY")
+            .decode()
+            .is_err());
+        assert!(body(Framing::Chunked(Chunk::Size), &[b'1'; 9000])
+            .decode()
+            .is_err());
+    }
+
+    #[test]
+    fn heads_say_how_the_body_is_framed_and_whether_to_keep_the_connection() {
+        let parse = |h: &[u8]| match parse_head(h) {
+            Ok(Some((n, p))) => (n, p.status, p.framing, p.keep_alive, p.content_type),
+            _ => panic!("not parsed"),
+        };
+        let h = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\nrest";
+        assert_eq!(
+            parse(h),
+            (
+                h.len() - 4,
+                200,
+                Framing::Chunked(Chunk::Size),
+                true,
+                Some("text/event-stream".into())
+            )
+        );
+        let h = b"HTTP/1.1 503 Busy\r\nContent-Length: 2\r\nConnection: close\r\n\r\n";
+        assert_eq!(parse(h).1..parse(h).1, 503..503);
+        assert_eq!((parse(h).2, parse(h).3), (Framing::Length(2), false));
+        let h = b"HTTP/1.0 200 OK\r\n\r\n"; // to the connection's end
+        assert_eq!((parse(h).2, parse(h).3), (Framing::Close, false));
+        let h = b"HTTP/1.1 204 No Content\r\n\r\n";
+        assert_eq!(parse(h).2, Framing::Done);
+        assert!(matches!(
+            parse_head(b"HTTP/1.1 200 OK\r\nContent-Le"),
+            Ok(None)
+        ));
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\n").is_err());
+        assert!(
+            parse_head(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n")
+                .is_err()
+        );
+        assert!(parse_head(b"garbage\r\n\r\n").is_err());
+    }
+
+    /// A worker on a local port: on each connection it answers the first `answer` requests
+    /// ("ok", kept alive), then closes the connection: at the next request, without answering
+    /// it, or with `at_once`, right away. Returns its URL and the count of connections it
+    /// accepted.
+    async fn worker(
+        answer: usize,
+        at_once: bool,
+    ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let accepted = std::sync::Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut s, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    for _ in 0..answer {
+                        // One request: its head, then its content-length bytes.
+                        let head_end = loop {
+                            if let Some(i) = memchr::memmem::find(&buf, b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            let mut b = [0u8; 4096];
+                            match s.read(&mut b).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&b[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+                        let len: usize = head
+                            .split("content-length: ")
+                            .nth(1)
+                            .and_then(|r| r.split("\r\n").next())
+                            .and_then(|l| l.parse().ok())
+                            .unwrap();
+                        while buf.len() < head_end + len {
+                            let mut b = [0u8; 4096];
+                            let n = s.read(&mut b).await.unwrap();
+                            buf.extend_from_slice(&b[..n]);
+                        }
+                        buf.drain(..head_end + len);
+                        let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                        if s.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                    if !at_once {
+                        let mut b = [0u8; 4096];
+                        let _ = s.read(&mut b).await; // the next request, unanswered
+                    }
+                });
+            }
+        });
+        (url, accepted)
+    }
+
+    async fn read_all(up: &Upstream, body: &mut AnswerBody) -> Vec<u8> {
+        let mut out = Vec::new();
+        while let Some(data) = std::future::poll_fn(|cx| body.poll_data(cx, up)).await {
+            out.extend_from_slice(&data.unwrap());
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_kept_alive_connection_carries_the_next_request() {
+        let (url, accepted) = worker(usize::MAX, false).await;
+        let up = Upstream::new(Duration::from_secs(1));
+        for _ in 0..3 {
+            let mut a = up.post(&url, "/generate", &[], b"{}").await.unwrap();
+            assert_eq!(
+                (a.status, read_all(&up, &mut a.body).await),
+                (200, b"ok".to_vec())
+            );
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_pooled_connection_the_worker_has_closed_is_replaced() {
+        // Closed at the next request, before the router could notice: sent again, fresh.
+        let (url, accepted) = worker(1, false).await;
+        let up = Upstream::new(Duration::from_secs(1));
+        for _ in 0..3 {
+            let mut a = up.post(&url, "/generate", &[], b"{}").await.unwrap();
+            assert_eq!(read_all(&up, &mut a.body).await, b"ok".to_vec());
+        }
+        // Each request after the first: the pooled connection, closed, then a fresh one.
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        // A fresh connection closed without an answer is a failure, not sent again.
+        let (url, accepted) = worker(0, false).await;
+        let err = up.post(&url, "/generate", &[], b"{}").await.err().unwrap();
+        assert!(err.contains("closed the connection"), "{err}");
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+        // Closed as soon as it has answered (an idle timeout, sooner): noticed at checkout, or
+        // when the request finds it closed; never an error.
+        let (url, accepted) = worker(1, true).await;
+        for pause in [0, 20, 0, 20] {
+            let mut a = up.post(&url, "/generate", &[], b"{}").await.unwrap();
+            assert_eq!(read_all(&up, &mut a.body).await, b"ok".to_vec());
+            tokio::time::sleep(Duration::from_millis(pause)).await;
+        }
+        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 4);
+        // Nobody listening.
+        let dead = format!("http://{}", {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap()
+        });
+        let err = up.post(&dead, "/generate", &[], b"{}").await.err().unwrap();
+        assert!(
+            err.starts_with("ClientConnectorError: cannot connect"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn request_heads_carry_the_framing_and_only_safe_headers() {
+        let headers = vec![
+            ("Content-Type".to_owned(), "application/json".to_owned()),
+            ("X-Bad".to_owned(), "a\r\nInjected: 1".to_owned()),
+            ("Content-Length".to_owned(), "999".to_owned()),
+        ];
+        let head = request_head("w:1", "/generate", &headers, 12);
+        assert_eq!(
+            head,
+            b"POST /generate HTTP/1.1\r\nhost: w:1\r\ncontent-length: 12\r\n\
+              Content-Type: application/json\r\n\r\n"
+                .to_vec()
+        );
+        assert_eq!(
+            authority("http://127.0.0.1:8000/").unwrap(),
+            "127.0.0.1:8000"
+        );
+        assert!(authority("https://x").is_err() && authority("http://").is_err());
+    }
+}
