@@ -803,6 +803,30 @@ def test_a_worker_closing_idle_connections_costs_no_request_and_no_retry():
     assert (retries, errors, in_flight) == (0, 0, 0)
 
 
+def test_a_worker_behind_a_path_prefix_gets_every_call_under_it():
+    """A worker URL with a path (a gateway's route to it): registration, health and generation
+    all go under that path, as sglang-router sends them."""
+
+    async def main():
+        worker = FlakyLoads()
+        worker.loads = b'{"loads": []}'
+        outer = web.Application()
+        outer.add_subapp("/sglang", worker.app())
+        runner, url = await serve_app(outer)
+        _, rrunner, base = await start_router(RouterConfig(worker_urls=[url + "/sglang"]))
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(base + "/generate", json={"text": "a"}) as r,
+            ):
+                return r.status, (await r.json())["text"]
+        finally:
+            await rrunner.close()
+            await runner.cleanup()
+
+    assert asyncio.run(main()) == (200, "ok")
+
+
 def test_a_malformed_load_report_does_not_stop_load_polling():
     async def main():
         worker = FlakyLoads()

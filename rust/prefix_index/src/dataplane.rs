@@ -140,6 +140,19 @@ async fn settle_loop(plane: Arc<Plane>) {
     }
 }
 
+/// How often idle connections to workers are looked over (`Upstream::sweep`).
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Closes idle connections to workers that the workers have closed (their keep-alive timeout:
+/// 5 s for SGLang's server) or that have idled too long.
+async fn sweep_loop(plane: Arc<Plane>) {
+    let mut every = tokio::time::interval(SWEEP_EVERY);
+    loop {
+        every.tick().await;
+        plane.upstream.sweep();
+    }
+}
+
 /// `router.settle()`, from a data plane thread.
 fn settle(plane: &Plane) {
     Python::attach(|py| {
@@ -1041,6 +1054,7 @@ impl PyDataPlane {
         let (stop, stopped) = watch::channel(false);
         // Both run until the runtime stops: connections still draining need them.
         runtime.spawn(settle_loop(plane.clone()));
+        runtime.spawn(sweep_loop(plane.clone()));
         runtime.spawn(decide_loop(plane.clone()));
         runtime.spawn(accept_loop(listener, plane, stopped));
         *running = Some(Running {

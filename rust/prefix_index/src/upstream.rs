@@ -10,9 +10,12 @@
 //!
 //! A connection goes back to the pool only once its answer has been read to its end, with
 //! nothing after it; a body dropped before that (the client went away) closes its connection,
-//! which tells the worker to stop. A pooled connection the worker has closed meanwhile (an
-//! idle timeout) is noticed when taken, or when sending on it fails or it closes with no byte
-//! of an answer: the request then goes once more, on a fresh connection.
+//! which tells the worker to stop. A pooled connection the worker has closed meanwhile (its
+//! keep-alive timeout) is noticed when taken, or (a close racing the request) when sending on
+//! it fails, or when it closes with no byte of an answer after an idle spell of at least
+//! `RESEND_AFTER_IDLE`: the request then goes once more, on a fresh connection. A connection
+//! that closes unanswered sooner after its last use is a failure like any other (the worker
+//! may have read the request), for the router to retry elsewhere.
 
 use std::collections::HashMap;
 use std::io::{self, IoSlice};
@@ -21,11 +24,14 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 /// How long an idle connection is kept (hyper's default pool timeout was the same).
 const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// A pooled connection idle this long that closes unanswered was closed by the worker as idle
+/// (servers' keep-alive timeouts are seconds: uvicorn's, SGLang's server, 5 s), not after
+/// reading the request: sent again, once.
+const RESEND_AFTER_IDLE: Duration = Duration::from_secs(1);
 /// The most an answer's head may take.
 const MAX_HEAD_BYTES: usize = 64 << 10;
 /// The most headers an answer's head may have.
@@ -41,9 +47,6 @@ pub struct Upstream {
 
 struct Idle {
     conns: HashMap<String, Vec<(TcpStream, Instant)>>,
-    /// When connections idle past `IDLE_TIMEOUT` were last closed (those of a worker no longer
-    /// asked for, which no checkout would see, too).
-    swept: Instant,
 }
 
 /// A worker's answer: its status, the headers the router passes on, and its body.
@@ -63,7 +66,7 @@ pub struct AnswerBody {
     /// Whether the connection may carry another request once this body has been read.
     keep_alive: bool,
     /// Where the connection goes back to (`host:port`).
-    authority: String,
+    connect: String,
 }
 
 #[derive(Debug, PartialEq)]
@@ -88,11 +91,23 @@ enum Chunk {
     Trailer,
 }
 
-/// Why a request could not be sent or answered; `stale` where the connection broke before a
-/// byte of the answer came back (on a pooled connection: the worker had closed it).
+/// Why a request could not be sent or answered.
 struct Failure {
     reason: String,
-    stale: bool,
+    /// Sending failed: the worker did not get the whole request.
+    unsent: bool,
+    /// The connection closed with no byte of an answer.
+    unanswered: bool,
+}
+
+impl Failure {
+    fn new(reason: impl Into<String>) -> Self {
+        Failure {
+            reason: reason.into(),
+            unsent: false,
+            unanswered: false,
+        }
+    }
 }
 
 impl Upstream {
@@ -100,7 +115,6 @@ impl Upstream {
         Upstream {
             idle: Mutex::new(Idle {
                 conns: HashMap::new(),
-                swept: Instant::now(),
             }),
             connect_timeout,
         }
@@ -115,51 +129,70 @@ impl Upstream {
         headers: &[(String, String)],
         body: &[u8],
     ) -> Result<Answer, String> {
-        let authority = authority(url)?;
-        let head = request_head(authority, path, headers, body.len());
+        let t = target(url)?;
+        let head = request_head(&t, path, headers, body.len());
+        let mut resent = false;
         loop {
-            let (stream, pooled) = match self.checkout(authority) {
-                Some(s) => (s, true),
-                None => (self.connect(authority).await?, false),
+            let pooled = if resent {
+                None
+            } else {
+                self.checkout(&t.connect)
+            };
+            let (stream, idle) = match pooled {
+                Some((s, idle)) => (s, Some(idle)),
+                None => (self.connect(&t.connect).await?, None),
             };
             match exchange(stream, &head, body).await {
-                Ok((stream, buf, parsed)) => return Ok(parsed.into_answer(stream, buf, authority)),
-                Err(f) if f.stale && pooled => continue,
+                Ok((stream, buf, parsed)) => return Ok(parsed.into_answer(stream, buf, t.connect)),
+                Err(f)
+                    if idle.is_some_and(|idle| {
+                        f.unsent || (f.unanswered && idle >= RESEND_AFTER_IDLE)
+                    }) =>
+                {
+                    resent = true
+                }
                 Err(f) => return Err(f.reason),
             }
         }
     }
 
-    fn checkout(&self, authority: &str) -> Option<TcpStream> {
+    /// An idle connection to `connect` that is still open, and how long it has been idle.
+    fn checkout(&self, connect: &str) -> Option<(TcpStream, Duration)> {
         let mut idle = self.idle.lock().expect("upstream pool");
-        let conns = idle.conns.get_mut(authority)?;
+        let conns = idle.conns.get_mut(connect)?;
         while let Some((stream, since)) = conns.pop() {
-            if since.elapsed() < IDLE_TIMEOUT && still_open(&stream) {
-                return Some(stream);
+            let idle_for = since.elapsed();
+            if idle_for < IDLE_TIMEOUT && still_open(&stream) {
+                return Some((stream, idle_for));
             }
         }
         None
     }
 
-    fn checkin(&self, authority: String, stream: TcpStream) {
-        let now = Instant::now();
+    fn checkin(&self, connect: String, stream: TcpStream) {
         let mut idle = self.idle.lock().expect("upstream pool");
-        idle.conns.entry(authority).or_default().push((stream, now));
-        if now.duration_since(idle.swept) > IDLE_TIMEOUT {
-            idle.swept = now;
-            idle.conns.retain(|_, conns| {
-                conns.retain(|(_, since)| now.duration_since(*since) < IDLE_TIMEOUT);
-                !conns.is_empty()
-            });
-        }
+        idle.conns
+            .entry(connect)
+            .or_default()
+            .push((stream, Instant::now()));
     }
 
-    async fn connect(&self, authority: &str) -> Result<TcpStream, String> {
+    /// Closes the idle connections the workers have closed, or idle past `IDLE_TIMEOUT` (the
+    /// data plane calls this every few seconds: a worker no longer asked for keeps none).
+    pub fn sweep(&self) {
+        let mut idle = self.idle.lock().expect("upstream pool");
+        idle.conns.retain(|_, conns| {
+            conns.retain(|(stream, since)| since.elapsed() < IDLE_TIMEOUT && still_open(stream));
+            !conns.is_empty()
+        });
+    }
+
+    async fn connect(&self, connect: &str) -> Result<TcpStream, String> {
         let fail = |e: &dyn std::fmt::Display| {
-            format!("ClientConnectorError: cannot connect to {authority}: {e}")
+            format!("ClientConnectorError: cannot connect to {connect}: {e}")
         };
         let stream =
-            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(authority)).await {
+            match tokio::time::timeout(self.connect_timeout, TcpStream::connect(connect)).await {
                 Err(_) => return Err(fail(&"connect timed out")),
                 Ok(Err(e)) => return Err(fail(&e)),
                 Ok(Ok(s)) => s,
@@ -172,15 +205,7 @@ impl Upstream {
     pub fn release(&self, body: &mut AnswerBody) {
         if body.framing == Framing::Done && body.keep_alive && body.buf.is_empty() {
             if let Some(stream) = body.stream.take() {
-                // The answer was read without a read that found nothing, so the socket still
-                // counts as readable: forget that, or the next request's first read (or the
-                // check at checkout) would be a system call that finds nothing. A close by the
-                // worker from now on marks it readable again; one that this forgets is caught
-                // by sending again on a fresh connection.
-                let _ = stream.try_io(Interest::READABLE, || {
-                    Err::<(), _>(io::ErrorKind::WouldBlock.into())
-                });
-                self.checkin(std::mem::take(&mut body.authority), stream);
+                self.checkin(std::mem::take(&mut body.connect), stream);
             }
         }
         body.stream = None;
@@ -188,30 +213,58 @@ impl Upstream {
 }
 
 /// An idle pooled connection is usable when nothing is waiting to be read on it: the worker
-/// has neither closed it (a read of 0) nor sent anything unasked.
+/// has neither closed it (a read of 0) nor sent anything unasked (bytes past an answer's end).
 fn still_open(stream: &TcpStream) -> bool {
     let mut probe = [0u8; 1];
     matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
-/// `host:port` of an `http://` URL (port 80 if none is given).
-fn authority(url: &str) -> Result<&str, String> {
-    let rest = url
-        .strip_prefix("http://")
-        .ok_or_else(|| format!("bad worker URL {url:?}: only http:// is supported"))?;
-    let authority = rest.split('/').next().unwrap_or_default();
-    if authority.is_empty() {
-        return Err(format!("bad worker URL {url:?}: no host"));
-    }
-    Ok(authority)
+/// Where a worker's URL points.
+struct Target<'a> {
+    /// `host:port` to connect to (port 80 if the URL gives none); also the pool's key.
+    connect: String,
+    /// The `Host` header: the URL's host and port as written.
+    host: &'a str,
+    /// The URL's path, under which the router's paths go (`http://gw/sglang` + `/generate`).
+    base: &'a str,
 }
 
-fn request_head(authority: &str, path: &str, headers: &[(String, String)], len: usize) -> Vec<u8> {
+fn target(url: &str) -> Result<Target<'_>, String> {
+    let bad = |why: &str| format!("bad worker URL {url:?}: {why}");
+    let rest = match url.get(..7) {
+        Some(scheme) if scheme.eq_ignore_ascii_case("http://") => &url[7..],
+        _ => return Err(bad("only http:// is supported")),
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (host, tail) = rest.split_at(end);
+    if host.is_empty() {
+        return Err(bad("no host"));
+    }
+    if host.contains('@') {
+        return Err(bad("credentials in the URL are not supported"));
+    }
+    let base = tail.split(['?', '#']).next().unwrap_or_default();
+    // A port follows the last ':' that is not inside an IPv6 literal's brackets.
+    let after_literal = host.rfind(']').map_or(host, |i| &host[i + 1..]);
+    let connect = if after_literal.contains(':') {
+        host.to_owned()
+    } else {
+        format!("{host}:80")
+    };
+    Ok(Target {
+        connect,
+        host,
+        base: base.trim_end_matches('/'),
+    })
+}
+
+fn request_head(t: &Target, path: &str, headers: &[(String, String)], len: usize) -> Vec<u8> {
     let mut head = Vec::with_capacity(256);
     head.extend_from_slice(b"POST ");
+    head.extend_from_slice(t.base.as_bytes());
     head.extend_from_slice(path.as_bytes());
     head.extend_from_slice(b" HTTP/1.1\r\nhost: ");
-    head.extend_from_slice(authority.as_bytes());
+    head.extend_from_slice(t.host.as_bytes());
     head.extend_from_slice(b"\r\ncontent-length: ");
     head.extend_from_slice(len.to_string().as_bytes());
     head.extend_from_slice(b"\r\n");
@@ -242,7 +295,7 @@ struct Parsed {
 }
 
 impl Parsed {
-    fn into_answer(self, stream: TcpStream, buf: BytesMut, authority: &str) -> Answer {
+    fn into_answer(self, stream: TcpStream, buf: BytesMut, connect: String) -> Answer {
         Answer {
             status: self.status,
             content_type: self.content_type,
@@ -252,24 +305,22 @@ impl Parsed {
                 buf,
                 framing: self.framing,
                 keep_alive: self.keep_alive,
-                authority: authority.to_owned(),
+                connect,
             },
         }
     }
 }
 
 /// Sends the request and reads the answer's head: the connection, the bytes read past the
-/// head, and what the head says.
+/// head, and what the head says. A worker that answers before it has read the whole request
+/// (a 413, say) and closes is heard: its answer comes back, on a connection not to be reused.
 async fn exchange(
     stream: TcpStream,
     head: &[u8],
     body: &[u8],
 ) -> Result<(TcpStream, BytesMut, Parsed), Failure> {
-    let broke = |e: io::Error, stale: bool| Failure {
-        reason: format!("ClientConnectorError: {e}"),
-        stale,
-    };
     let (mut h, mut b) = (head, body);
+    let mut unsent = None;
     while !h.is_empty() || !b.is_empty() {
         match stream.try_write_vectored(&[IoSlice::new(h), IoSlice::new(b)]) {
             Ok(n) => {
@@ -278,46 +329,65 @@ async fn exchange(
                 b = &b[n - from_head..];
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                stream.writable().await.map_err(|e| broke(e, true))?
+                if let Err(e) = stream.writable().await {
+                    unsent = Some(e);
+                    break;
+                }
             }
-            // Nothing of the answer yet: a pooled connection the worker had closed.
-            Err(e) => return Err(broke(e, true)),
+            Err(e) => {
+                unsent = Some(e);
+                break;
+            }
         }
     }
+    let failed = |reason: String, answered: bool, unsent: &Option<io::Error>| Failure {
+        reason: match unsent {
+            Some(e) => format!("ClientConnectorError: sending the request failed: {e}"),
+            None => reason,
+        },
+        unsent: unsent.is_some(),
+        unanswered: !answered,
+    };
     let mut buf = BytesMut::with_capacity(READ_BYTES);
+    let mut answered = false;
     loop {
         if !buf.is_empty() {
-            if let Some((n, parsed)) = parse_head(&buf)? {
+            if let Some((n, mut parsed)) = parse_head(&buf)? {
                 buf.advance(n);
                 if (100..200).contains(&parsed.status) {
                     continue; // an interim answer (100 Continue): the real one follows
                 }
+                parsed.keep_alive &= unsent.is_none();
                 return Ok((stream, buf, parsed));
             }
         }
         if buf.len() > MAX_HEAD_BYTES {
-            return Err(Failure {
-                reason: "ClientPayloadError: the worker's answer head is too large".into(),
-                stale: false,
-            });
+            return Err(Failure::new(
+                "ClientPayloadError: the worker's answer head is too large",
+            ));
         }
         buf.reserve(READ_BYTES);
         match stream.try_read_buf(&mut buf) {
             Ok(0) => {
-                return Err(Failure {
-                    reason: "ClientConnectorError: the worker closed the connection before \
-                             answering"
-                        .into(),
-                    stale: buf.is_empty(),
-                })
+                let why = "ClientConnectorError: the worker closed the connection before answering";
+                return Err(failed(why.into(), answered, &unsent));
             }
-            Ok(_) => {}
+            Ok(_) => answered = true,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                stream.readable().await.map_err(|e| broke(e, false))?
+                if let Err(e) = stream.readable().await {
+                    return Err(failed(
+                        format!("ClientConnectorError: {e}"),
+                        answered,
+                        &unsent,
+                    ));
+                }
             }
             Err(e) => {
-                let stale = buf.is_empty();
-                return Err(broke(e, stale));
+                return Err(failed(
+                    format!("ClientConnectorError: {e}"),
+                    answered,
+                    &unsent,
+                ))
             }
         }
     }
@@ -325,9 +395,10 @@ async fn exchange(
 
 /// The head at the start of `buf`, if it is all there: its length and what it says.
 fn parse_head(buf: &[u8]) -> Result<Option<(usize, Parsed)>, Failure> {
-    let bad = |e: &dyn std::fmt::Display| Failure {
-        reason: format!("ClientPayloadError: the worker's answer is not HTTP/1.1: {e}"),
-        stale: false,
+    let bad = |e: &dyn std::fmt::Display| {
+        Failure::new(format!(
+            "ClientPayloadError: the worker's answer is not HTTP/1.1: {e}"
+        ))
     };
     let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut slots);
@@ -337,11 +408,16 @@ fn parse_head(buf: &[u8]) -> Result<Option<(usize, Parsed)>, Failure> {
         Err(e) => return Err(bad(&e)),
     };
     let status = resp.code.unwrap_or(0);
-    let mut keep_alive = resp.version == Some(1);
     let (mut content_type, mut content_encoding) = (None, None);
-    let (mut length, mut chunked) = (None, false);
+    let (mut length, mut codings) = (None, None::<String>);
+    let (mut close, mut keep) = (false, false);
     for h in resp.headers.iter() {
         let text = || String::from_utf8_lossy(h.value).trim().to_owned();
+        let has = |token: &str| {
+            text()
+                .split(',')
+                .any(|t| t.trim().eq_ignore_ascii_case(token))
+        };
         match h.name.to_ascii_lowercase().as_str() {
             "content-type" => content_type = Some(text()),
             "content-encoding" => content_encoding = Some(text()),
@@ -350,27 +426,31 @@ fn parse_head(buf: &[u8]) -> Result<Option<(usize, Parsed)>, Failure> {
                 _ => return Err(bad(&"a bad or conflicting content-length")),
             },
             "transfer-encoding" => {
-                let t = text().to_ascii_lowercase();
-                chunked = t.rsplit(',').next().is_some_and(|c| c.trim() == "chunked");
-                if !chunked {
-                    keep_alive = false; // framed by the connection's end
-                }
+                let all = codings.take().map_or(text(), |c| format!("{c},{}", text()));
+                codings = Some(all);
             }
             "connection" => {
-                let t = text().to_ascii_lowercase();
-                if t.split(',').any(|c| c.trim() == "close") {
-                    keep_alive = false;
-                } else if t.split(',').any(|c| c.trim() == "keep-alive") {
-                    keep_alive = true;
-                }
+                close |= has("close");
+                keep |= has("keep-alive");
             }
             _ => {}
         }
     }
+    // Reused only when the answer says it may be and its framing leaves no doubt (RFC 9112
+    // 6.3 and 9.3): HTTP/1.1 unless it says close, HTTP/1.0 only if it says keep-alive.
+    let mut keep_alive = !close && (resp.version == Some(1) || keep);
     let framing = if status == 204 || status == 304 || (100..200).contains(&status) {
         Framing::Done
-    } else if chunked {
-        Framing::Chunked(Chunk::Size)
+    } else if let Some(codings) = codings {
+        // A transfer coding overrides a length, and a message with both is not trusted again.
+        keep_alive &= length.is_none();
+        let last = codings.rsplit(',').next().unwrap_or_default().trim();
+        if last.eq_ignore_ascii_case("chunked") {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            keep_alive = false;
+            Framing::Close
+        }
     } else if let Some(0) = length {
         Framing::Done
     } else if let Some(l) = length {
@@ -550,7 +630,7 @@ mod tests {
             buf: BytesMut::from(bytes),
             framing,
             keep_alive: true,
-            authority: String::new(),
+            connect: String::new(),
         }
     }
 
@@ -648,6 +728,23 @@ mod tests {
                 .is_err()
         );
         assert!(parse_head(b"garbage\r\n\r\n").is_err());
+        // Close is sticky; a coding overrides a length, and both end the connection's reuse.
+        let h = b"HTTP/1.1 200 OK\r\nConnection: close\r\nConnection: keep-alive\r\n\r\n";
+        assert!(!parse(h).3);
+        let h = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(
+            (parse(h).2, parse(h).3),
+            (Framing::Chunked(Chunk::Size), false)
+        );
+        let h = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nContent-Length: 5\r\n\r\n";
+        assert_eq!((parse(h).2, parse(h).3), (Framing::Close, false));
+        let h = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(
+            (parse(h).2, parse(h).3),
+            (Framing::Chunked(Chunk::Size), true)
+        );
+        let h = b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nContent-Length: 1\r\n\r\n";
+        assert_eq!((parse(h).2, parse(h).3), (Framing::Length(1), true));
     }
 
     /// A worker on a local port: on each connection it answers the first `answer` requests
@@ -733,29 +830,52 @@ mod tests {
 
     #[tokio::test]
     async fn a_pooled_connection_the_worker_has_closed_is_replaced() {
-        // Closed at the next request, before the router could notice: sent again, fresh.
-        let (url, accepted) = worker(1, false).await;
+        use std::sync::atomic::Ordering::SeqCst;
         let up = Upstream::new(Duration::from_secs(1));
-        for _ in 0..3 {
-            let mut a = up.post(&url, "/generate", &[], b"{}").await.unwrap();
-            assert_eq!(read_all(&up, &mut a.body).await, b"ok".to_vec());
-        }
-        // Each request after the first: the pooled connection, closed, then a fresh one.
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 3);
+        let ok = |url: String| {
+            let up = &up;
+            async move {
+                let mut a = up.post(&url, "/generate", &[], b"{}").await.unwrap();
+                assert_eq!(read_all(up, &mut a.body).await, b"ok".to_vec());
+            }
+        };
+        // Closed unanswered right after its last use: the worker may have read the request,
+        // so it is a failure (the router retries elsewhere), not sent again.
+        let (url, accepted) = worker(1, false).await;
+        ok(url.clone()).await;
+        let err = up.post(&url, "/generate", &[], b"{}").await.err().unwrap();
+        assert!(err.contains("closed the connection"), "{err}");
+        ok(url.clone()).await; // on a fresh connection
+        assert_eq!(accepted.load(SeqCst), 2);
+        // Closed unanswered after an idle spell (a keep-alive timeout racing the request):
+        // sent again, once, on a fresh connection.
+        tokio::time::sleep(RESEND_AFTER_IDLE + Duration::from_millis(50)).await;
+        ok(url.clone()).await;
+        assert_eq!(accepted.load(SeqCst), 3);
         // A fresh connection closed without an answer is a failure, not sent again.
         let (url, accepted) = worker(0, false).await;
         let err = up.post(&url, "/generate", &[], b"{}").await.err().unwrap();
         assert!(err.contains("closed the connection"), "{err}");
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
-        // Closed as soon as it has answered (an idle timeout, sooner): noticed at checkout, or
-        // when the request finds it closed; never an error.
+        assert_eq!(accepted.load(SeqCst), 1);
+        // Closed as soon as it has answered: noticed at checkout, never an error.
         let (url, accepted) = worker(1, true).await;
         for pause in [0, 20, 0, 20] {
-            let mut a = up.post(&url, "/generate", &[], b"{}").await.unwrap();
-            assert_eq!(read_all(&up, &mut a.body).await, b"ok".to_vec());
+            ok(url.clone()).await;
             tokio::time::sleep(Duration::from_millis(pause)).await;
         }
-        assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 4);
+        assert_eq!(accepted.load(SeqCst), 4);
+        // What the sweep leaves: nothing the worker has closed.
+        let (url, _) = worker(usize::MAX, false).await;
+        ok(url.clone()).await;
+        let (closed, _) = worker(1, true).await;
+        ok(closed.clone()).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        up.sweep();
+        {
+            let idle = up.idle.lock().unwrap();
+            assert_eq!(idle.conns.get(&url[7..]).map(Vec::len), Some(1));
+            assert!(!idle.conns.contains_key(&closed[7..]));
+        }
         // Nobody listening.
         let dead = format!("http://{}", {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -775,17 +895,34 @@ mod tests {
             ("X-Bad".to_owned(), "a\r\nInjected: 1".to_owned()),
             ("Content-Length".to_owned(), "999".to_owned()),
         ];
-        let head = request_head("w:1", "/generate", &headers, 12);
+        let head = request_head(&target("http://w:1").unwrap(), "/generate", &headers, 12);
         assert_eq!(
             head,
             b"POST /generate HTTP/1.1\r\nhost: w:1\r\ncontent-length: 12\r\n\
               Content-Type: application/json\r\n\r\n"
                 .to_vec()
         );
+        let t = |url| {
+            let t = target(url).unwrap();
+            (t.connect, t.host, t.base)
+        };
         assert_eq!(
-            authority("http://127.0.0.1:8000/").unwrap(),
-            "127.0.0.1:8000"
+            t("http://127.0.0.1:8000/"),
+            ("127.0.0.1:8000".into(), "127.0.0.1:8000", "")
         );
-        assert!(authority("https://x").is_err() && authority("http://").is_err());
+        assert_eq!(
+            t("HTTP://gw/sglang/?x#y"),
+            ("gw:80".into(), "gw", "/sglang")
+        );
+        assert_eq!(
+            t("http://[::1]:8000"),
+            ("[::1]:8000".into(), "[::1]:8000", "")
+        );
+        assert_eq!(t("http://[::1]"), ("[::1]:80".into(), "[::1]", ""));
+        let head = request_head(&target("http://gw/sglang").unwrap(), "/generate", &[], 0);
+        assert!(head.starts_with(b"POST /sglang/generate HTTP/1.1\r\nhost: gw\r\n"));
+        for bad in ["https://x", "http://", "http://u:p@x", "x:1"] {
+            assert!(target(bad).is_err(), "{bad}");
+        }
     }
 }
