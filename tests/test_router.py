@@ -741,12 +741,15 @@ class FlakyLoads(CaptureWorker):
         super().__init__()
         self.loads: bytes = b'{"loads": [{"num_running_reqs": null, "num_waiting_reqs": "x"}]}'
         self.fail = fail
+        self.peers: list[object] = []
+        """The client address of each generation request (one per connection it came on)."""
 
     def app(self) -> web.Application:
         app = web.Application()
 
         async def generate(request: web.Request) -> web.Response:
             await request.read()
+            self.peers.append(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
             if self.fail:
                 return web.json_response({"error": {"message": "boom"}}, status=500)
             return web.json_response({"text": "ok", "meta_info": {"id": "x"}})
@@ -773,8 +776,9 @@ async def serve_app(app: web.Application) -> tuple[web.AppRunner, str]:
 
 def test_a_worker_closing_idle_connections_costs_no_request_and_no_retry():
     """SGLang's server (uvicorn) closes a connection idle for 5 s; this worker, after 50 ms.
-    The router's pooled connection is then closed, and a request sent on it must go again on a
-    fresh one, without a failure, a retry or a mark against the worker."""
+    The router keeps its connections to a worker open between requests, and a request that
+    finds its pooled connection closed goes on a fresh one, without a failure, a retry or a
+    mark against the worker."""
 
     async def main():
         worker = FlakyLoads()
@@ -793,14 +797,17 @@ def test_a_worker_closing_idle_connections_costs_no_request_and_no_retry():
                         statuses.append((r.status, (await r.json())["text"]))
             router.settle()
             w = router.workers[url]
-            return statuses, router.retries, w.errors_total, w.in_flight
+            return statuses, router.retries, w.errors_total, w.in_flight, worker.peers
         finally:
             await rrunner.close()
             await runner.cleanup()
 
-    statuses, retries, errors, in_flight = asyncio.run(main())
+    statuses, retries, errors, in_flight, peers = asyncio.run(main())
     assert statuses == [(200, "ok")] * 5
     assert (retries, errors, in_flight) == (0, 0, 0)
+    # A new connection after each pause longer than the worker's keep-alive, the same one for
+    # the request straight after (the aiohttp plane's session pools too).
+    assert peers[1] == peers[2] and len(set(peers)) == 4
 
 
 def test_a_worker_behind_a_path_prefix_gets_every_call_under_it():
@@ -1075,7 +1082,7 @@ class OneWriteStream:
 
 
 @pytest.mark.parametrize("broken", [False, True])
-def test_a_stream_that_arrives_whole_goes_out_whole_and_is_booked(broken):
+def test_a_stream_that_arrives_in_one_piece_is_passed_on_and_booked(broken):
     async def main():
         worker = OneWriteStream(broken)
         server = await asyncio.start_server(worker.handle, "127.0.0.1", 0)

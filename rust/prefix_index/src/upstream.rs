@@ -24,6 +24,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
+use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 /// How long an idle connection is kept (hyper's default pool timeout was the same).
@@ -214,9 +215,25 @@ impl Upstream {
 
 /// An idle pooled connection is usable when nothing is waiting to be read on it: the worker
 /// has neither closed it (a read of 0) nor sent anything unasked (bytes past an answer's end).
+/// It asks the socket itself (a peek, one system call), also where tokio's record of its
+/// readiness says there is nothing, as that record may not have caught up with a close yet.
+/// Where the record says readable (it does after an answer read to its end), the peek goes
+/// through tokio, so that finding nothing clears it: the request's first read then waits for
+/// the answer instead of being a system call that finds nothing too.
 fn still_open(stream: &TcpStream) -> bool {
-    let mut probe = [0u8; 1];
-    matches!(stream.try_read(&mut probe), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    let peek = || {
+        let mut probe = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+        socket2::SockRef::from(stream).peek(&mut probe)
+    };
+    let mut peeked_through_tokio = false;
+    let mut peeked = stream.try_io(Interest::READABLE, || {
+        peeked_through_tokio = true;
+        peek()
+    });
+    if !peeked_through_tokio {
+        peeked = peek();
+    }
+    matches!(peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
 /// Where a worker's URL points.
@@ -313,7 +330,8 @@ impl Parsed {
 
 /// Sends the request and reads the answer's head: the connection, the bytes read past the
 /// head, and what the head says. A worker that answers before it has read the whole request
-/// (a 413, say) and closes is heard: its answer comes back, on a connection not to be reused.
+/// (a 413, say), whether it then closes or stops reading, is heard: sending stops, and its
+/// answer comes back, on a connection not to be reused.
 async fn exchange(
     stream: TcpStream,
     head: &[u8],
@@ -321,6 +339,8 @@ async fn exchange(
 ) -> Result<(TcpStream, BytesMut, Parsed), Failure> {
     let (mut h, mut b) = (head, body);
     let mut unsent = None;
+    let mut buf = BytesMut::with_capacity(READ_BYTES);
+    let mut answered = false;
     while !h.is_empty() || !b.is_empty() {
         match stream.try_write_vectored(&[IoSlice::new(h), IoSlice::new(b)]) {
             Ok(n) => {
@@ -328,9 +348,22 @@ async fn exchange(
                 h = &h[from_head..];
                 b = &b[n - from_head..];
             }
+            // The socket is full: wait until it takes more, or the worker says something.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if let Err(e) = stream.writable().await {
-                    unsent = Some(e);
+                let early = tokio::select! {
+                    w = stream.writable() => w.err(),
+                    r = stream.readable() => match r.map(|()| stream.try_read_buf(&mut buf)) {
+                        Ok(Ok(0)) => Some(io::ErrorKind::UnexpectedEof.into()),
+                        Ok(Ok(_)) => {
+                            answered = true;
+                            Some(io::Error::other("the worker answered before it had it all"))
+                        }
+                        Ok(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => None,
+                        Ok(Err(e)) | Err(e) => Some(e),
+                    },
+                };
+                if early.is_some() {
+                    unsent = early;
                     break;
                 }
             }
@@ -348,8 +381,6 @@ async fn exchange(
         unsent: unsent.is_some(),
         unanswered: !answered,
     };
-    let mut buf = BytesMut::with_capacity(READ_BYTES);
-    let mut answered = false;
     loop {
         if !buf.is_empty() {
             if let Some((n, mut parsed)) = parse_head(&buf)? {
@@ -886,6 +917,44 @@ mod tests {
             err.starts_with("ClientConnectorError: cannot connect"),
             "{err}"
         );
+    }
+
+    #[tokio::test]
+    async fn an_answer_before_the_whole_request_is_heard() {
+        for close in [false, true] {
+            early_answer(close).await;
+        }
+    }
+
+    /// A worker that reads a request's head only, refuses its body (413), and stops reading,
+    /// closing its side or not.
+    async fn early_answer(close: bool) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut b = [0u8; 4096];
+            let _ = s.read(&mut b).await;
+            let answer = b"HTTP/1.1 413 Too Large\r\ncontent-length: 2\r\n\r\nno";
+            let _ = s.write_all(answer).await;
+            if close {
+                let _ = s.shutdown().await;
+            }
+            tokio::time::sleep(Duration::from_secs(30)).await; // reading no more
+        });
+        let up = Upstream::new(Duration::from_secs(1));
+        let body = vec![b'x'; 64 << 20]; // more than the sockets' buffers take
+        let post = up.post(&url, "/generate", &[], &body);
+        let mut a = tokio::time::timeout(Duration::from_secs(10), post)
+            .await
+            .expect("the answer, not a wait for the rest of the request to be read")
+            .unwrap();
+        assert_eq!(
+            (a.status, read_all(&up, &mut a.body).await),
+            (413, b"no".to_vec())
+        );
+        assert!(up.idle.lock().unwrap().conns.is_empty()); // not kept: the body was not sent
     }
 
     #[test]
