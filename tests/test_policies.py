@@ -102,19 +102,24 @@ def test_cache_aware_balances_when_load_is_imbalanced_even_on_a_hit():
 
 def test_cache_aware_breaks_ties_as_sglang_router_does():
     p = make_policy("cache_aware")
+
+    def pick(c: ClusterView) -> tuple[int, str]:
+        d = p.select(req(), c)
+        return d.worker, d.reason
+
     # Equal matches: the less loaded, then the first.
     c = cluster(w("a", hit=80, in_flight=2), w("b", hit=80, in_flight=1), w("c", hit=80))
-    assert (p.select(req(), c).worker, p.select(req(), c).reason) == (2, "cache_hit")
+    assert pick(c) == (2, "cache_hit")
     c = cluster(w("a", hit=80, in_flight=1), w("b", hit=80, in_flight=1))
-    assert p.select(req(), c).worker == 0
+    assert pick(c)[0] == 0
     # A miss: the fewest in flight, then the least queued prefill, then the first.
     c = cluster(w("a", in_flight=1, queued=10), w("b", in_flight=1, queued=5), w("c", in_flight=1))
-    assert (p.select(req(), c).worker, p.select(req(), c).reason) == (2, "cache_miss_balance")
+    assert pick(c) == (2, "cache_miss_balance")
     c = cluster(w("a", in_flight=2), w("b", in_flight=1, queued=5), w("c", in_flight=1, queued=5))
-    assert p.select(req(), c).worker == 1
+    assert pick(c)[0] == 1
     # Imbalanced: the least loaded, wherever it sits.
     c = cluster(w("a", in_flight=100), w("b", hit=90, in_flight=300), w("c", in_flight=100))
-    assert (p.select(req(), c).worker, p.select(req(), c).reason) == (0, "imbalance_balance")
+    assert pick(c) == (0, "imbalance_balance")
     with pytest.raises(ValueError):
         p.select(req(), cluster())
 

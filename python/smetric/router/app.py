@@ -181,8 +181,7 @@ class Exchange:
         client (the data plane adds the content type and encoding the worker answers with)."""
         r = self.router
         with r.lock:
-            if r._booked is not None:
-                r.settle()  # the decision sees every answer the data plane has had
+            r.settle()  # the decision sees every answer the data plane has had
             if self.pinned is not None:
                 if self.attempts:
                     return None
@@ -263,7 +262,7 @@ class Exchange:
         plane runs it once the answer is on its way, or with the booking for a small prompt.
         A prediction that fails (a key conflict in the index) is logged, and the answer
         stands."""
-        if self.status == 0 and self.router._booked is not None:
+        if self.status == 0:
             self.router.settle()  # the answer's booking may still be queued
         if self.status == 200 and self.worker is not None:
             try:

@@ -250,9 +250,9 @@ fn router_error(py: Python<'_>, e: PyErr) -> Response<Body> {
 /// What has reached the router goes out together: the worker's body gives all it has at each
 /// poll (`upstream.rs`), and this body answers with all it holds once the worker's has nothing
 /// more; the head takes what came with the first chunk along (`gather`), so an answer that
-/// reached the router whole leaves in one write. Nothing waits for bytes still on the wire.
-/// Nothing waits for bytes still on the wire, so each chunk still leaves as soon as it arrives;
-/// what is saved is a write (a system call and a TCP segment) per chunk.
+/// reached the router whole leaves in one write. Nothing waits for bytes still on the wire, so
+/// each chunk still leaves as soon as it arrives; what is saved is a write (a system call and a
+/// TCP segment) per chunk.
 struct Relay {
     plane: Arc<Plane>,
     /// The exchange until its `end` is called.
@@ -1052,7 +1052,7 @@ impl PyDataPlane {
             events: memchr::memmem::Finder::new(b"data: {").into_owned(),
         });
         let (stop, stopped) = watch::channel(false);
-        // Both run until the runtime stops: connections still draining need them.
+        // These run until the runtime stops: connections still draining need them.
         runtime.spawn(settle_loop(plane.clone()));
         runtime.spawn(sweep_loop(plane.clone()));
         runtime.spawn(decide_loop(plane.clone()));

@@ -42,12 +42,9 @@ const READ_BYTES: usize = 16 << 10;
 
 /// Connections to workers, idle ones kept per `host:port`.
 pub struct Upstream {
-    idle: Mutex<Idle>,
+    /// Per `host:port`, the idle connections and since when each has been idle.
+    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
     connect_timeout: Duration,
-}
-
-struct Idle {
-    conns: HashMap<String, Vec<(TcpStream, Instant)>>,
 }
 
 /// A worker's answer: its status, the headers the router passes on, and its body.
@@ -114,9 +111,7 @@ impl Failure {
 impl Upstream {
     pub fn new(connect_timeout: Duration) -> Self {
         Upstream {
-            idle: Mutex::new(Idle {
-                conns: HashMap::new(),
-            }),
+            idle: Mutex::new(HashMap::new()),
             connect_timeout,
         }
     }
@@ -160,7 +155,7 @@ impl Upstream {
     /// An idle connection to `connect` that is still open, and how long it has been idle.
     fn checkout(&self, connect: &str) -> Option<(TcpStream, Duration)> {
         let mut idle = self.idle.lock().expect("upstream pool");
-        let conns = idle.conns.get_mut(connect)?;
+        let conns = idle.get_mut(connect)?;
         while let Some((stream, since)) = conns.pop() {
             let idle_for = since.elapsed();
             if idle_for < IDLE_TIMEOUT && still_open(&stream) {
@@ -172,8 +167,7 @@ impl Upstream {
 
     fn checkin(&self, connect: String, stream: TcpStream) {
         let mut idle = self.idle.lock().expect("upstream pool");
-        idle.conns
-            .entry(connect)
+        idle.entry(connect)
             .or_default()
             .push((stream, Instant::now()));
     }
@@ -182,7 +176,7 @@ impl Upstream {
     /// data plane calls this every few seconds: a worker no longer asked for keeps none).
     pub fn sweep(&self) {
         let mut idle = self.idle.lock().expect("upstream pool");
-        idle.conns.retain(|_, conns| {
+        idle.retain(|_, conns| {
             conns.retain(|(stream, since)| since.elapsed() < IDLE_TIMEOUT && still_open(stream));
             !conns.is_empty()
         });
@@ -203,7 +197,7 @@ impl Upstream {
     }
 
     /// Takes back a connection whose answer has been read whole.
-    pub fn release(&self, body: &mut AnswerBody) {
+    fn release(&self, body: &mut AnswerBody) {
         if body.framing == Framing::Done && body.keep_alive && body.buf.is_empty() {
             if let Some(stream) = body.stream.take() {
                 self.checkin(std::mem::take(&mut body.connect), stream);
@@ -398,29 +392,23 @@ async fn exchange(
             ));
         }
         buf.reserve(READ_BYTES);
-        match stream.try_read_buf(&mut buf) {
+        let e = match stream.try_read_buf(&mut buf) {
             Ok(0) => {
                 let why = "ClientConnectorError: the worker closed the connection before answering";
                 return Err(failed(why.into(), answered, &unsent));
             }
-            Ok(_) => answered = true,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if let Err(e) = stream.readable().await {
-                    return Err(failed(
-                        format!("ClientConnectorError: {e}"),
-                        answered,
-                        &unsent,
-                    ));
-                }
+            Ok(_) => {
+                answered = true;
+                continue;
             }
-            Err(e) => {
-                return Err(failed(
-                    format!("ClientConnectorError: {e}"),
-                    answered,
-                    &unsent,
-                ))
-            }
-        }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => match stream.readable().await {
+                Ok(()) => continue,
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        let reason = format!("ClientConnectorError: {e}");
+        return Err(failed(reason, answered, &unsent));
     }
 }
 
@@ -449,22 +437,22 @@ fn parse_head(buf: &[u8]) -> Result<Option<(usize, Parsed)>, Failure> {
                 .split(',')
                 .any(|t| t.trim().eq_ignore_ascii_case(token))
         };
-        match h.name.to_ascii_lowercase().as_str() {
-            "content-type" => content_type = Some(text()),
-            "content-encoding" => content_encoding = Some(text()),
-            "content-length" => match text().parse::<u64>() {
+        let is = |name: &str| h.name.eq_ignore_ascii_case(name);
+        if is("content-type") {
+            content_type = Some(text());
+        } else if is("content-encoding") {
+            content_encoding = Some(text());
+        } else if is("content-length") {
+            match text().parse::<u64>() {
                 Ok(l) if length.is_none_or(|m| m == l) => length = Some(l),
                 _ => return Err(bad(&"a bad or conflicting content-length")),
-            },
-            "transfer-encoding" => {
-                let all = codings.take().map_or(text(), |c| format!("{c},{}", text()));
-                codings = Some(all);
             }
-            "connection" => {
-                close |= has("close");
-                keep |= has("keep-alive");
-            }
-            _ => {}
+        } else if is("transfer-encoding") {
+            let all = codings.take().map_or(text(), |c| format!("{c},{}", text()));
+            codings = Some(all);
+        } else if is("connection") {
+            close |= has("close");
+            keep |= has("keep-alive");
         }
     }
     // Reused only when the answer says it may be and its framing leaves no doubt (RFC 9112
@@ -508,12 +496,14 @@ impl AnswerBody {
         cx: &mut Context<'_>,
         upstream: &Upstream,
     ) -> Poll<Option<Result<Bytes, String>>> {
+        // A broken body drops its connection (never to be reused) and says why.
+        let broke = |body: &mut Self, e: String| {
+            body.stream = None;
+            Poll::Ready(Some(Err(e)))
+        };
         loop {
             match self.decode() {
-                Err(e) => {
-                    self.stream = None;
-                    return Poll::Ready(Some(Err(e)));
-                }
+                Err(e) => return broke(self, e),
                 Ok(Some(data)) => return Poll::Ready(Some(Ok(data))),
                 Ok(None) if self.framing == Framing::Done => {
                     upstream.release(self);
@@ -528,25 +518,18 @@ impl AnswerBody {
             match stream.try_read_buf(&mut self.buf) {
                 Ok(0) if self.framing == Framing::Close => self.framing = Framing::Done,
                 Ok(0) => {
-                    self.stream = None;
                     let e = "the worker closed the connection before the answer's end";
-                    return Poll::Ready(Some(Err(e.into())));
+                    return broke(self, e.into());
                 }
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     match stream.poll_read_ready(cx) {
                         Poll::Pending => return Poll::Pending,
                         Poll::Ready(Ok(())) => {}
-                        Poll::Ready(Err(e)) => {
-                            self.stream = None;
-                            return Poll::Ready(Some(Err(e.to_string())));
-                        }
+                        Poll::Ready(Err(e)) => return broke(self, e.to_string()),
                     }
                 }
-                Err(e) => {
-                    self.stream = None;
-                    return Poll::Ready(Some(Err(e.to_string())));
-                }
+                Err(e) => return broke(self, e.to_string()),
             }
         }
     }
@@ -904,8 +887,8 @@ mod tests {
         up.sweep();
         {
             let idle = up.idle.lock().unwrap();
-            assert_eq!(idle.conns.get(&url[7..]).map(Vec::len), Some(1));
-            assert!(!idle.conns.contains_key(&closed[7..]));
+            assert_eq!(idle.get(&url[7..]).map(Vec::len), Some(1));
+            assert!(!idle.contains_key(&closed[7..]));
         }
         // Nobody listening.
         let dead = format!("http://{}", {
@@ -954,7 +937,7 @@ mod tests {
             (a.status, read_all(&up, &mut a.body).await),
             (413, b"no".to_vec())
         );
-        assert!(up.idle.lock().unwrap().conns.is_empty()); // not kept: the body was not sent
+        assert!(up.idle.lock().unwrap().is_empty()); // not kept: the body was not sent
     }
 
     #[test]
