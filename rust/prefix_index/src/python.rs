@@ -274,6 +274,14 @@ fn hash_tokens_sglang(token_ids: &Bound<'_, PyAny>, page_size: i64) -> PyResult<
     Ok(PyBlockKeys { keys })
 }
 
+thread_local! {
+    /// Each thread's buffers for keying bodies (see `request::Scratch`).
+    static SCRATCH: std::cell::RefCell<request::Scratch> = Default::default();
+}
+
+/// A keying buffer grown past this (by a body of several MB) is let go after its body.
+const SCRATCH_MAX: usize = 4 << 20;
+
 /// What `key_request_body` returns: keys, prompt length (bytes of text or token ids), whether
 /// the prompt is token ids, max new tokens (None: the body names none), stream, first turn.
 type KeyedBody = (PyBlockKeys, usize, bool, Option<u64>, bool, Option<bool>);
@@ -299,19 +307,28 @@ fn key_request_body(
     let token_block_tokens = positive("token_block_tokens", token_block_tokens)?;
     let raw = body.as_bytes();
     Ok(maybe_detach(body.py(), raw.len(), DETACH_MIN_BODY, || {
-        let view = request::view_body(api, raw)?;
-        let (keys, len, tokens) = match &view.prompt {
-            Prompt::Text(text) => (keys::hash_text(text, text_block_bytes), text.len(), false),
-            Prompt::Tokens(ids) => (keys::hash_tokens(ids, token_block_tokens), ids.len(), true),
-        };
-        Some((
-            PyBlockKeys { keys },
-            len,
-            tokens,
-            view.max_new_tokens,
-            view.stream,
-            view.is_first_turn,
-        ))
+        SCRATCH.with_borrow_mut(|scratch| {
+            let keyed = request::view_body(api, raw, scratch).map(|view| {
+                let (keys, len, tokens) = match &view.prompt {
+                    Prompt::Text(text) => {
+                        (keys::hash_text(text, text_block_bytes), text.len(), false)
+                    }
+                    Prompt::Tokens(ids) => {
+                        (keys::hash_tokens(ids, token_block_tokens), ids.len(), true)
+                    }
+                };
+                (
+                    PyBlockKeys { keys },
+                    len,
+                    tokens,
+                    view.max_new_tokens,
+                    view.stream,
+                    view.is_first_turn,
+                )
+            });
+            scratch.trim(SCRATCH_MAX);
+            keyed
+        })
     }))
 }
 

@@ -5,15 +5,13 @@
 //! token ids) and the same few facts, without building Python objects for a body that is mostly
 //! two or three long strings. One pass validates the body as JSON; a string without escapes is
 //! used where it lies in the body, and the others are decoded into one buffer. The key is then
-//! put together from slices of the two; a text prompt that is one string is not copied at all
-//! (or, if it had escapes, is its decoded text, moved out of the buffer).
+//! put together from slices of the two in a second buffer; a text prompt that is one string is
+//! not copied at all. Both buffers are the caller's (`Scratch`), kept from body to body.
 //!
 //! It answers only when it is sure: anything the reference would reject, and anything whose
 //! Python value is awkward to reproduce (floats in serialized JSON, integers beyond 64 bits,
 //! lone surrogates, deep nesting, non-string `tool_call_id`s), yields `None`, and the caller
 //! takes the reference path, which then gives the answer or the error.
-
-use std::borrow::Cow;
 
 use crate::copy;
 
@@ -28,9 +26,9 @@ pub enum Api {
 /// A body's prompt, ready to key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt<'a> {
-    /// UTF-8 text (for chat, the serialization of tools and messages); borrowed from the body
-    /// where it is a string there without escapes.
-    Text(Cow<'a, [u8]>),
+    /// UTF-8 text (for chat, the serialization of tools and messages): in the body where it is
+    /// a string there without escapes, else in the caller's `Scratch`.
+    Text(&'a [u8]),
     Tokens(Vec<u32>),
 }
 
@@ -43,6 +41,27 @@ pub struct BodyView<'a> {
     pub stream: bool,
     /// Chat only: no assistant or tool message yet.
     pub is_first_turn: Option<bool>,
+}
+
+/// The buffers keying writes into: the decoded strings, and the chat serialization. Kept from
+/// one body to the next, so that keying a long prompt does not take fresh memory each time
+/// (glibc gives an allocation of 128 KB or more its own pages, which then fault in on every
+/// request: a 126 KB chat body took 135-170 µs instead of ~50 in `examples/keying_pieces.rs`).
+#[derive(Debug, Default)]
+pub struct Scratch {
+    decoded: Vec<u8>,
+    text: Vec<u8>,
+}
+
+impl Scratch {
+    /// Lets go of a buffer that has grown past `max` bytes (for a rare huge body).
+    pub fn trim(&mut self, max: usize) {
+        for buf in [&mut self.decoded, &mut self.text] {
+            if buf.capacity() > max {
+                *buf = Vec::new();
+            }
+        }
+    }
 }
 
 /// Nesting beyond this is left to the reference (whose parsers allow more).
@@ -73,25 +92,13 @@ enum Value<'a> {
 struct Doc<'a> {
     root: Value<'a>,
     body: &'a [u8],
-    text: Vec<u8>,
+    text: &'a [u8],
 }
 
 impl<'a> Doc<'a> {
-    fn str(&self, s: Span) -> &[u8] {
-        let from = if s.decoded { &self.text[..] } else { self.body };
+    fn str(&self, s: Span) -> &'a [u8] {
+        let from = if s.decoded { self.text } else { self.body };
         &from[s.start..s.end]
-    }
-
-    /// String `s`, to keep beyond the doc: borrowed from the body, or its decoded text moved
-    /// out of `text` (where it usually starts, as keys seldom have escapes).
-    fn into_str(self, s: Span) -> Cow<'a, [u8]> {
-        if !s.decoded {
-            return Cow::Borrowed(&self.body[s.start..s.end]);
-        }
-        let mut text = self.text;
-        text.truncate(s.end);
-        text.drain(..s.start);
-        Cow::Owned(text)
     }
 
     /// The member of `object` named `key` (the last one, as in a dict parsed from the body).
@@ -186,19 +193,25 @@ fn string_stops(lane: [u8; LANE]) -> (u32, u32) {
     (stops, high)
 }
 
-/// Where the run of string bytes from `pos` ends: at the first `"`, `\` or control character,
+/// `string_stops` for a whole chunk: bit `i` for byte `i`.
+#[inline]
+fn chunk_stops(chunk: &[u8; CHUNK]) -> (u32, u32) {
+    let (lo, lo_high) = string_stops(chunk[..LANE].try_into().expect("a lane"));
+    let (hi, hi_high) = string_stops(chunk[LANE..].try_into().expect("a lane"));
+    (lo | hi << LANE, lo_high | hi_high)
+}
+
+/// Where the run of string bytes from `pos` ends: at the first `"`, `\\` or control character,
 /// or at the body's end. `high` is made non-zero if the run has a byte beyond ASCII (and may be
-/// by one just past it, in the same lane: harmless, as it only decides whether the string is
+/// by one just past it, in the same chunk: harmless, as it only decides whether the string is
 /// checked to be UTF-8).
 #[inline]
 fn clean_run(bytes: &[u8], mut pos: usize, high: &mut u32) -> usize {
     while let Some(chunk) = bytes.get(pos..pos + CHUNK) {
-        for (i, lane) in chunk.chunks_exact(LANE).enumerate() {
-            let (stops, lane_high) = string_stops(lane.try_into().expect("a whole lane"));
-            *high |= lane_high;
-            if stops != 0 {
-                return pos + i * LANE + stops.trailing_zeros() as usize;
-            }
+        let (stops, chunk_high) = chunk_stops(chunk.try_into().expect("a whole chunk"));
+        *high |= chunk_high;
+        if stops != 0 {
+            return pos + stops.trailing_zeros() as usize;
         }
         pos += CHUNK;
     }
@@ -213,19 +226,6 @@ fn clean_run(bytes: &[u8], mut pos: usize, high: &mut u32) -> usize {
     pos
 }
 
-/// Appends `bytes[run..end]` to `text`. A short run (the usual one between escapes) is copied
-/// as a whole chunk and then cut to length, which compiles to a few moves instead of a call.
-#[inline]
-fn push_run(text: &mut Vec<u8>, bytes: &[u8], run: usize, end: usize) {
-    match bytes.get(run..run + CHUNK) {
-        Some(chunk) if end - run <= CHUNK => {
-            text.extend_from_slice(chunk);
-            text.truncate(text.len() - (run + CHUNK - end));
-        }
-        _ => copy::append(text, &bytes[run..end]),
-    }
-}
-
 fn hex4(b: &[u8]) -> Option<u32> {
     let mut v = 0u32;
     for &c in b.get(..4)? {
@@ -237,8 +237,10 @@ fn hex4(b: &[u8]) -> Option<u32> {
 struct Parser<'a> {
     bytes: &'a [u8],
     pos: usize,
-    /// Decoded strings, back to back.
-    text: Vec<u8>,
+    /// Decoded strings, back to back, in `text[..filled]`; beyond that, room to write into
+    /// (what a previous body left there, or zeros).
+    text: &'a mut Vec<u8>,
+    filled: usize,
 }
 
 impl<'a> Parser<'a> {
@@ -330,67 +332,105 @@ impl<'a> Parser<'a> {
 
     /// Reads a string, from just after its opening quote; leaves `pos` after the closing one.
     /// Until its first escape, a string is only scanned; from there on, it is decoded into
-    /// `text`, each run between escapes copied as it is. Strings are the only place JSON allows
-    /// bytes beyond ASCII; a string that has any is checked to be UTF-8.
+    /// `text`. Strings are the only place JSON allows bytes beyond ASCII; a string that has any
+    /// is checked to be UTF-8.
     fn string(&mut self) -> Option<Span> {
         let bytes = self.bytes;
         let raw_start = self.pos;
         let mut high = 0;
         let mut pos = clean_run(bytes, raw_start, &mut high);
-        // Where the string starts in `text`, once it has had an escape.
-        let mut decoded: Option<usize> = None;
-        // The start of the bytes not yet copied to `text` (once decoding).
-        let mut run = raw_start;
-        loop {
-            match *bytes.get(pos)? {
-                b'"' => {
-                    if high != 0 {
-                        std::str::from_utf8(&bytes[raw_start..pos]).ok()?;
+        let decoded = match *bytes.get(pos)? {
+            b'"' => None,
+            b'\\' => {
+                let start = self.filled;
+                pos = self.decode(raw_start, pos, &mut high)?;
+                Some(start)
+            }
+            _ => return None, // a control character
+        };
+        if high != 0 {
+            std::str::from_utf8(&bytes[raw_start..pos]).ok()?;
+        }
+        self.pos = pos + 1;
+        Some(match decoded {
+            Some(start) => Span {
+                start,
+                end: self.filled,
+                decoded: true,
+            },
+            None => Span {
+                start: raw_start,
+                end: pos,
+                decoded: false,
+            },
+        })
+    }
+
+    /// Decodes a string into `text[filled..]`, from its start `raw_start` and its first escape
+    /// (the backslash at `pos`); returns where its closing quote is.
+    ///
+    /// The body is taken a chunk at a time at fixed steps, so that reading the next chunk never
+    /// waits on where the last escape was (it did, and that wait was most of the time a string
+    /// with an escape per line took). In a chunk, the quotes, backslashes and control
+    /// characters are found at once, as bits, and each run between them is stored as a whole
+    /// chunk where the decoded text goes on: the next store overwrites what lies past the run.
+    /// `text` is grown once per body so that such a store always fits (decoded text is never
+    /// longer than what it decodes). The body's last two chunks are decoded a run at a time.
+    fn decode(&mut self, raw_start: usize, pos: usize, high: &mut u32) -> Option<usize> {
+        let bytes = self.bytes;
+        let room = self.filled + (bytes.len() - raw_start) + CHUNK;
+        if self.text.len() < room {
+            self.text.resize(room, 0);
+        }
+        let text = &mut self.text[..];
+        let mut out = self.filled;
+        copy::copy(
+            &mut text[out..out + (pos - raw_start)],
+            &bytes[raw_start..pos],
+        );
+        out += pos - raw_start;
+        // The chunk at `base`; its bytes before `done` are decoded (`done` may lie in the next
+        // chunk, after an escape that crosses into it).
+        let mut base = pos;
+        let mut done = 0;
+        while let Some(window) = bytes.get(base..base + 2 * CHUNK) {
+            let (stops, chunk_high) = chunk_stops(window[..CHUNK].try_into().expect("a chunk"));
+            *high |= chunk_high;
+            let mut stops = stops & (!0u32).checked_shl(done as u32).unwrap_or(0);
+            while stops != 0 {
+                let stop = stops.trailing_zeros() as usize;
+                text[out..out + CHUNK].copy_from_slice(&window[done..done + CHUNK]);
+                out += stop - done;
+                match window[stop] {
+                    b'\\' => (done, out) = escape(bytes, base + stop, text, out)?,
+                    b'"' => {
+                        self.filled = out;
+                        return Some(base + stop);
                     }
-                    self.pos = pos + 1;
-                    let Some(start) = decoded else {
-                        return Some(Span {
-                            start: raw_start,
-                            end: pos,
-                            decoded: false,
-                        });
-                    };
-                    push_run(&mut self.text, bytes, run, pos);
-                    return Some(Span {
-                        start,
-                        end: self.text.len(),
-                        decoded: true,
-                    });
+                    _ => return None, // a control character
                 }
-                b'\\' => {
-                    if decoded.is_none() {
-                        // Decoded text is never longer than what it decodes: from the first
-                        // escape on, room for the rest of the body is room enough.
-                        self.text.reserve(bytes.len() - raw_start);
-                        decoded = Some(self.text.len());
-                    }
-                    let text = &mut self.text;
-                    push_run(text, bytes, run, pos);
-                    // The common escapes inline; \u escapes out of line.
-                    match *bytes.get(pos + 1)? {
-                        b'u' => pos = unicode_escape(bytes, pos, text)?,
-                        escape => {
-                            text.push(match escape {
-                                b'n' => b'\n',
-                                b'"' => b'"',
-                                b'\\' => b'\\',
-                                b't' => b'\t',
-                                b'r' => b'\r',
-                                b'/' => b'/',
-                                b'b' => 0x08,
-                                b'f' => 0x0c,
-                                _ => return None,
-                            });
-                            pos += 2;
-                        }
-                    }
-                    run = pos;
-                    pos = clean_run(bytes, pos, &mut high);
+                done -= base;
+                stops &= (!0u32).checked_shl(done as u32).unwrap_or(0);
+            }
+            if done < CHUNK {
+                text[out..out + CHUNK].copy_from_slice(&window[done..done + CHUNK]);
+                out += CHUNK - done;
+                done = CHUNK;
+            }
+            base += CHUNK;
+            done -= CHUNK;
+        }
+        // The body's last bytes, a run at a time.
+        let mut pos = base + done;
+        loop {
+            let end = clean_run(bytes, pos, high);
+            text[out..out + (end - pos)].copy_from_slice(&bytes[pos..end]);
+            out += end - pos;
+            match *bytes.get(end)? {
+                b'\\' => (pos, out) = escape(bytes, end, text, out)?,
+                b'"' => {
+                    self.filled = out;
+                    return Some(end);
                 }
                 _ => return None, // a control character
             }
@@ -436,9 +476,30 @@ impl<'a> Parser<'a> {
     }
 }
 
-/// Decodes the `\\u` escape at `pos` (its backslash) into `text`; returns where it ends. A
-/// surrogate must pair up with the escape after it; a lone one is left to the reference.
-fn unicode_escape(bytes: &[u8], pos: usize, text: &mut Vec<u8>) -> Option<usize> {
+/// Decodes the escape at `pos` (its backslash) into `text[out..]`; returns where it ends in
+/// `bytes` and in `text`.
+#[inline(always)]
+fn escape(bytes: &[u8], pos: usize, text: &mut [u8], out: usize) -> Option<(usize, usize)> {
+    text[out] = match *bytes.get(pos + 1)? {
+        b'n' => b'\n',
+        b'"' => b'"',
+        b'\\' => b'\\',
+        b't' => b'\t',
+        b'r' => b'\r',
+        b'/' => b'/',
+        b'b' => 0x08,
+        b'f' => 0x0c,
+        b'u' => return unicode_escape(bytes, pos, text, out),
+        _ => return None,
+    };
+    Some((pos + 2, out + 1))
+}
+
+/// Decodes the `\\u` escape at `pos` (its backslash) into `text[out..]`; returns where it ends
+/// in `bytes` and in `text`. A surrogate must pair up with the escape after it; a lone one is
+/// left to the reference.
+#[cold]
+fn unicode_escape(bytes: &[u8], pos: usize, text: &mut [u8], out: usize) -> Option<(usize, usize)> {
     let mut code = hex4(bytes.get(pos + 2..)?)?;
     let mut end = pos + 6;
     match code {
@@ -456,24 +517,29 @@ fn unicode_escape(bytes: &[u8], pos: usize, text: &mut Vec<u8>) -> Option<usize>
         0xDC00..=0xDFFF => return None,
         _ => {}
     }
+    // At most 4 bytes of UTF-8 for the 6 or 12 of the escape.
     let ch = char::from_u32(code)?;
-    text.extend_from_slice(ch.encode_utf8(&mut [0u8; 4]).as_bytes());
-    Some(end)
+    let len = ch.len_utf8();
+    ch.encode_utf8(&mut text[out..out + len]);
+    Some((end, out + len))
 }
 
 /// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep).
-fn parse(body: &[u8]) -> Option<Doc<'_>> {
+fn parse<'a>(body: &'a [u8], decoded: &'a mut Vec<u8>) -> Option<Doc<'a>> {
     let mut p = Parser {
         bytes: body,
         pos: 0,
-        text: Vec::new(),
+        text: decoded,
+        filled: 0,
     };
     let root = p.value(0)?;
     p.skip_ws();
-    (p.pos == body.len()).then_some(Doc {
+    let end = p.pos;
+    let text: &'a Vec<u8> = p.text;
+    (end == body.len()).then_some(Doc {
         root,
         body,
-        text: p.text,
+        text: &text[..p.filled],
     })
 }
 
@@ -684,7 +750,7 @@ fn generate(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
                 other => other,
             };
             let &Value::Str(s) = text else { return None };
-            Prompt::Text(doc.into_str(s))
+            Prompt::Text(doc.str(s))
         }
         (None, Some(ids)) => {
             let ids = match ids {
@@ -702,9 +768,9 @@ fn generate(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
 fn completions(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
     let max_new = limit(doc.get(&doc.root, b"max_tokens"))?;
     let prompt = match doc.get(&doc.root, b"prompt")? {
-        &Value::Str(s) => Prompt::Text(doc.into_str(s)),
+        &Value::Str(s) => Prompt::Text(doc.str(s)),
         Value::Array(items) => match items.first()? {
-            &Value::Str(s) => Prompt::Text(doc.into_str(s)),
+            &Value::Str(s) => Prompt::Text(doc.str(s)),
             Value::Number(_) => Prompt::Tokens(token_list(items)?),
             _ => return None,
         },
@@ -715,8 +781,9 @@ fn completions(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
 
 /// What the reference would make of `body` for `api`, or `None` where the reference must decide
 /// (including every body it rejects).
-pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView<'_>> {
-    let doc = parse(body)?;
+pub fn view_body<'a>(api: Api, body: &'a [u8], scratch: &'a mut Scratch) -> Option<BodyView<'a>> {
+    let Scratch { decoded, text } = scratch;
+    let doc = parse(body, decoded)?;
     if !matches!(doc.root, Value::Object(_)) {
         return None;
     }
@@ -726,13 +793,14 @@ pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView<'_>> {
     };
     let (prompt, max_new_tokens, is_first_turn) = match api {
         Api::Chat => {
-            let mut text = Vec::with_capacity(body.len() + 4096);
-            let first = chat(&doc, &mut text)?;
+            text.clear();
+            text.reserve(body.len() + 4096);
+            let first = chat(&doc, text)?;
             let max_new = match doc.get(&doc.root, b"max_completion_tokens") {
                 Some(value) => limit(Some(value))?,
                 None => limit(doc.get(&doc.root, b"max_tokens"))?,
             };
-            (Prompt::Text(text.into()), max_new, Some(first))
+            (Prompt::Text(&text[..]), max_new, Some(first))
         }
         Api::Generate => {
             let (prompt, max_new) = generate(doc)?;
@@ -753,11 +821,18 @@ pub fn view_body(api: Api, body: &[u8]) -> Option<BodyView<'_>> {
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
+
+    /// `view_body` with a scratch of its own (kept, so that the view may outlive the call).
+    fn view_body(api: Api, body: &[u8]) -> Option<BodyView<'_>> {
+        super::view_body(api, body, Box::leak(Box::default()))
+    }
 
     fn text(api: Api, body: &str) -> Vec<u8> {
         match view_body(api, body.as_bytes()).expect("fast path").prompt {
-            Prompt::Text(t) => t.into_owned(),
+            Prompt::Text(t) => t.to_vec(),
             Prompt::Tokens(_) => panic!("expected text"),
         }
     }
@@ -802,7 +877,7 @@ mod tests {
         assert_eq!(view.max_new_tokens, Some(7));
         assert_eq!(
             view.prompt,
-            Prompt::Text(b"<|tools|>[{\"k\":2}]\n<|user|>x\n".to_vec().into())
+            Prompt::Text(b"<|tools|>[{\"k\":2}]\n<|user|>x\n")
         );
     }
 
@@ -823,7 +898,7 @@ mod tests {
             br#"{"prompt":["hi","there"],"max_tokens":0}"#,
         )
         .unwrap();
-        assert_eq!(v.prompt, Prompt::Text(b"hi".to_vec().into()));
+        assert_eq!(v.prompt, Prompt::Text(b"hi"));
         assert_eq!(v.max_new_tokens, Some(0));
     }
 
@@ -878,18 +953,19 @@ mod tests {
             view_body(api, body.as_bytes()).expect("fast path").prompt
         }
         let body = r#"{"sampling_params":{"stop":"a\nb"},"text":"plain","stream":true}"#;
-        assert!(matches!(
-            prompt(Api::Generate, body),
-            Prompt::Text(Cow::Borrowed(b"plain"))
-        ));
+        let Prompt::Text(plain) = prompt(Api::Generate, body) else {
+            panic!("a text prompt")
+        };
+        assert_eq!(plain, b"plain");
+        assert!(body.as_bytes().as_ptr_range().contains(&plain.as_ptr()));
         // A prompt with escapes after other decoded strings (here a key, too).
         let body = r#"{"sampling_params":{"stop":"a\nb"},"te\u0078t":"x\ty\"z\u00e9"}"#;
         assert_eq!(
             prompt(Api::Generate, body),
-            Prompt::Text("x\ty\"z\u{e9}".as_bytes().into())
+            Prompt::Text("x\ty\"z\u{e9}".as_bytes())
         );
         let body = r#"{"prompt":["p\/q","r"],"max_tokens":3}"#;
-        assert_eq!(prompt(Api::Completions, body), Prompt::Text(b"p/q".into()));
+        assert_eq!(prompt(Api::Completions, body), Prompt::Text(b"p/q"));
         // Runs of every length between escapes, and strings ending in the body's last bytes.
         for tail in ["", r"\n", r"ab\\"] {
             let content: String = (0..100).map(|n| "x".repeat(n) + r"\n").collect();
@@ -905,5 +981,83 @@ mod tests {
         let body = format!(r#"{{"messages":[{{"role":"user","content":"{content}"}}]}}"#);
         let expected = format!("<|user|>{}\n", content.replace("\\n", "\n"));
         assert_eq!(text(Api::Chat, &body), expected.into_bytes());
+    }
+
+    /// `s` as JSON writes it, each character in one of the forms JSON allows for it, picked by
+    /// `forms` (one number per character).
+    fn encode(s: &[(char, u8)]) -> String {
+        let mut out = String::new();
+        for &(c, form) in s {
+            let short = match c {
+                '"' => Some('"'),
+                '\\' => Some('\\'),
+                '\n' => Some('n'),
+                '\r' => Some('r'),
+                '\t' => Some('t'),
+                '\u{8}' => Some('b'),
+                '\u{c}' => Some('f'),
+                '/' if form % 2 == 0 => Some('/'),
+                _ => None,
+            };
+            let must_escape = c == '"' || c == '\\' || c < ' ';
+            match (short, form % 3) {
+                (Some(e), 0 | 1) => {
+                    out.push('\\');
+                    out.push(e);
+                }
+                (_, 2) | (None, _) if must_escape || form % 3 == 2 => {
+                    let mut units = [0u16; 2];
+                    for unit in c.encode_utf16(&mut units) {
+                        if form >= 128 {
+                            out.push_str(&format!("\\u{unit:04X}"));
+                        } else {
+                            out.push_str(&format!("\\u{unit:04x}"));
+                        }
+                    }
+                }
+                _ => out.push(c),
+            }
+        }
+        out
+    }
+
+    fn chars() -> impl Strategy<Value = Vec<(char, u8)>> {
+        let special = prop::sample::select(vec![
+            '"', '\\', '/', '\n', '\r', '\t', '\u{8}', '\u{c}', '\0', '\u{1f}', '\u{7f}', 'x', 'é',
+            '€', '😀', '\u{2028}',
+        ]);
+        prop::collection::vec((prop_oneof![special, any::<char>()], any::<u8>()), 0..300)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(2000))]
+
+        /// Strings decode to what was encoded, whatever the escapes, their forms and
+        /// spacing, and wherever the string ends relative to the body's end; a scratch used
+        /// before (for a longer body) leaves nothing behind.
+        #[test]
+        fn strings_decode_to_what_was_encoded(
+            prompt in chars(),
+            other in chars(),
+            pad in 0usize..80,
+        ) {
+            let text: String = prompt.iter().map(|&(c, _)| c).collect();
+            let body = format!(
+                r#"{{"k\u0065y":"{}","prompt":"{}","max_tokens":1}}{}"#,
+                encode(&other),
+                encode(&prompt),
+                " ".repeat(pad)
+            );
+            let mut scratch = Scratch::default();
+            let long = format!(r#"{{"prompt":"{}"}}"#, "\\n\\u00e9ab".repeat(200));
+            assert!(super::view_body(Api::Completions, long.as_bytes(), &mut scratch).is_some());
+            let view = super::view_body(Api::Completions, body.as_bytes(), &mut scratch);
+            proptest::prop_assert_eq!(
+                view.map(|v| v.prompt),
+                Some(Prompt::Text(text.as_bytes())),
+                "{}",
+                body
+            );
+        }
     }
 }
