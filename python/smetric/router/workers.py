@@ -168,31 +168,35 @@ class Worker:
     ) -> WorkerView:
         """The worker as a policy sees it, built again only when its load or the hit changed;
         with a prefill rate, its queued prefill less what it has got through meanwhile."""
-        v = self._view
-        if v is not None:
-            if v.local_hit_blocks != local_hit_blocks:
-                v = _new_tuple(WorkerView, (*v[:-1], local_hit_blocks))
-        else:
+        d = self.__dict__
+        v = d["_view"]
+        if v is None:
             # Own accounting is instant; what the worker reports also counts traffic that did
             # not come through this router. The larger of the two is the better guess.
-            polled_total = self.polled_running + self.polled_waiting
-            v = WorkerView(
-                self.url,
-                max(self.in_flight, polled_total),
-                self.queued_prefill_tokens,
-                self.running_decode_tokens,
-                self.polled_running,
-                self.polled_waiting,
-                self.token_usage,
-                local_hit_blocks,
+            # (Built as a plain tuple of the named tuple's type, in its field order: the named
+            # tuple's own constructor is a Python function.)
+            running, waiting = d["polled_running"], d["polled_waiting"]
+            v = d["_view"] = _new_tuple(
+                WorkerView,
+                (
+                    d["url"],
+                    max(d["in_flight"], running + waiting),
+                    d["queued_prefill_tokens"],
+                    d["running_decode_tokens"],
+                    running,
+                    waiting,
+                    d["token_usage"],
+                    local_hit_blocks,
+                ),
             )
-        self.__dict__["_view"] = v
-        queued = v.queued_prefill_tokens
+        elif v[7] != local_hit_blocks:  # the hit, the view's last field
+            v = d["_view"] = _new_tuple(WorkerView, (*v[:7], local_hit_blocks))
+        queued = v[2]  # queued_prefill_tokens
         if queued > 0 and prefill_tokens_per_s > 0:
             # Queued prefill leaves only at a first token, but the worker has been at it since
             # ``prefill_since``: count what it has got through meanwhile as done (a fresh tuple:
             # this part changes with the clock, so it is not kept).
-            done = (now - self.prefill_since) * self.time_scale * prefill_tokens_per_s
+            done = (now - d["prefill_since"]) * d["time_scale"] * prefill_tokens_per_s
             v = _new_tuple(WorkerView, (v[0], v[1], max(queued - round(done), 0), *v[3:]))
         return v
 
