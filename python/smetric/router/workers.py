@@ -169,7 +169,7 @@ class Worker:
         """The worker as a policy sees it, built again only when its load or the hit changed;
         with a prefill rate, its queued prefill less what it has got through meanwhile."""
         d = self.__dict__
-        v = d["_view"]
+        v: WorkerView | None = d["_view"]
         if v is None:
             # Own accounting is instant; what the worker reports also counts traffic that did
             # not come through this router. The larger of the two is the better guess.
