@@ -1,5 +1,6 @@
-"""Stopping the servers users run: ``smetric emulate`` and the router stop in order on SIGINT or
-SIGTERM, also when started with SIGINT ignored (as a shell's background job is)."""
+"""The servers users run, as processes: ``smetric emulate`` and the router stop in order on SIGINT
+or SIGTERM, also when started with SIGINT ignored (as a shell's background job is); the router
+raises a low open-files limit."""
 
 from __future__ import annotations
 
@@ -37,11 +38,18 @@ def ready(url: str, timeout_s: float = 30.0) -> None:
             time.sleep(0.1)
 
 
-def start(*args: str) -> subprocess.Popen[bytes]:
-    """``python -m args`` with SIGINT ignored from the start (set, then kept across exec)."""
+def start(*args: str, open_files: int | None = None) -> subprocess.Popen[bytes]:
+    """``python -m args`` with SIGINT ignored from the start (set, then kept across exec), and
+    with ``open_files`` as its soft limit on open files, if given."""
     ignore_then_exec = (
-        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-        "os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])"
+        "import os, resource, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+        + (
+            ""
+            if open_files is None
+            else f"resource.setrlimit(resource.RLIMIT_NOFILE, "
+            f"({open_files}, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+        )
+        + "os.execv(sys.executable, [sys.executable, '-m', *sys.argv[1:]])"
     )
     return subprocess.Popen(
         [sys.executable, "-c", ignore_then_exec, *args],
@@ -63,16 +71,26 @@ def stops(proc: subprocess.Popen[bytes], sig: signal.Signals) -> int | None:
 
 
 @contextlib.contextmanager
-def emulator_and_router() -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]]:
+def emulator_and_router(
+    open_files: int | None = None,
+) -> Iterator[tuple[subprocess.Popen[bytes], subprocess.Popen[bytes], str]]:
     """``smetric emulate`` (one worker, real time) and a router in front of it, both started with
-    SIGINT ignored; whatever is still running at the end is killed."""
+    SIGINT ignored (the router with ``open_files`` as its limit, if given); whatever is still
+    running at the end is killed."""
     worker_port, router_port = free_port(), free_port()
     emulator = start("smetric", "emulate", "--workers", "1", "--base-port", str(worker_port))
     worker = f"http://127.0.0.1:{worker_port}"
     router = None
     try:
         ready(worker)
-        router = start("smetric.launch_router", "--worker-urls", worker, "--port", str(router_port))
+        router = start(
+            "smetric.launch_router",
+            "--worker-urls",
+            worker,
+            "--port",
+            str(router_port),
+            open_files=open_files,
+        )
         base = f"http://127.0.0.1:{router_port}"
         ready(base)
         yield emulator, router, base
@@ -121,3 +139,37 @@ def test_the_shutdown_grace_is_a_flag(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--shutdown-grace-secs", "-1"])
     assert "--shutdown-grace-secs" in capsys.readouterr().err
+
+
+def soft_open_files(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError("no open-files line in /proc/PID/limits")
+
+
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc/PID/limits")
+def test_the_router_raises_a_low_open_files_limit():
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
+    if want <= 256:
+        pytest.skip("the hard limit leaves nothing to raise")
+    with emulator_and_router(open_files=256) as (_, router, _base):
+        assert soft_open_files(router.pid) == want
+
+
+def test_the_open_files_limit_is_raised_within_the_hard_limit_and_never_lowered():
+    # In a process of its own: limits are the whole process's.
+    code = """
+import resource
+from smetric.router.app import raise_open_files_limit
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, 300))
+print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))
+print(raise_open_files_limit(250))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split("\n")
+    assert out[:2] == ["(200, 300) (300, 300)", "(300, 300)"]

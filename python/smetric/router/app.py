@@ -1261,7 +1261,33 @@ async def listen(router: Router, host: str, port: int) -> Listening:
     return Listening(router, runner, plane, port)
 
 
+OPEN_FILES_TARGET = 65536
+"""The open-files limit the router asks for at start (each request in flight holds two sockets,
+the client's and the worker's), as SGLang's own server does for itself."""
+
+
+def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> tuple[int, int]:
+    """Raises this process's soft limit on open files towards ``target``, never above the hard
+    limit and never lowering it; returns the soft limit before and after. Under the common
+    default of 1,024, a few hundred concurrent streams would use them up; the router would
+    still stay up (it refuses what it cannot open), but serve far fewer than it could."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, want, e)
+            return soft, soft
+        log.info("open-files limit raised from %d to %d", soft, want)
+        return soft, want
+    return soft, soft
+
+
 async def serve(config: RouterConfig) -> None:
+    raise_open_files_limit()
     router = Router(config)
     server = await listen(router, config.host, config.port)
     extra = None
