@@ -32,18 +32,52 @@ pub fn root_seed(domain: Domain, block_size: usize) -> u64 {
 pub fn chain_blocks(bytes: &[u8], block_bytes: usize, seed: u64) -> Vec<u64> {
     assert!(block_bytes > 0, "block size must be positive");
     let mut keys = Vec::with_capacity(bytes.len() / block_bytes);
-    let mut prev = seed;
+    chain_into(&mut keys, seed, bytes, block_bytes);
+    keys
+}
+
+/// Chains the blocks of `bytes` (a whole number of them) onto `keys`, after the key `prev`;
+/// returns the last key.
+fn chain_into(keys: &mut Vec<u64>, mut prev: u64, bytes: &[u8], block_bytes: usize) -> u64 {
     for block in bytes.chunks_exact(block_bytes) {
         prev = xxh3_64_with_seed(block, prev);
         keys.push(prev);
     }
-    keys
+    prev
 }
 
 /// Keys of a text prompt: blocks of `block_bytes` UTF-8 bytes (a block may end inside a
 /// multi-byte character; only equality matters).
 pub fn hash_text(text: &[u8], block_bytes: usize) -> Vec<u64> {
     chain_blocks(text, block_bytes, root_seed(Domain::Text, block_bytes))
+}
+
+/// `hash_text` of the pieces one after the other, without putting them together: the blocks
+/// inside a piece are hashed where they lie, and only a block across pieces is copied.
+pub fn hash_text_pieces(pieces: &[&[u8]], block_bytes: usize) -> Vec<u64> {
+    assert!(block_bytes > 0, "block size must be positive");
+    let len: usize = pieces.iter().map(|p| p.len()).sum();
+    let mut keys = Vec::with_capacity(len / block_bytes);
+    let mut prev = root_seed(Domain::Text, block_bytes);
+    // The start of a block that the next piece ends.
+    let mut partial = Vec::with_capacity(block_bytes);
+    for &piece in pieces {
+        let mut rest = piece;
+        if !partial.is_empty() {
+            let take = rest.len().min(block_bytes - partial.len());
+            partial.extend_from_slice(&rest[..take]);
+            rest = &rest[take..];
+            if partial.len() < block_bytes {
+                continue;
+            }
+            prev = chain_into(&mut keys, prev, &partial, block_bytes);
+            partial.clear();
+        }
+        let whole = rest.len() - rest.len() % block_bytes;
+        prev = chain_into(&mut keys, prev, &rest[..whole], block_bytes);
+        partial.extend_from_slice(&rest[whole..]);
+    }
+    keys
 }
 
 /// Keys of a token-id prompt: blocks of `block_tokens` ids, each id as 4 little-endian bytes.
@@ -100,6 +134,34 @@ pub fn sglang_page_hashes(tokens: &[u32], page_size: usize) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pieces_hash_as_their_concatenation() {
+        let text: Vec<u8> = (0..1000u32).map(|i| (i * 7 % 251) as u8).collect();
+        // Cuts of every kind: inside blocks, at their edges, empty pieces, one long piece.
+        for cuts in [
+            vec![],
+            vec![0, 0, 1000],
+            vec![1, 2, 3, 63, 64, 65, 127, 128, 129, 500],
+            vec![64, 128, 192, 256],
+            vec![10, 10, 11, 999],
+        ] {
+            let mut pieces = Vec::new();
+            let mut start = 0;
+            for &cut in &cuts {
+                pieces.push(&text[start..cut]);
+                start = cut;
+            }
+            pieces.push(&text[start..]);
+            for block in [1, 7, 64, 100, 2000] {
+                assert_eq!(
+                    hash_text_pieces(&pieces, block),
+                    hash_text(&text, block),
+                    "{cuts:?} {block}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn partial_trailing_block_gets_no_key() {

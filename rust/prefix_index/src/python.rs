@@ -313,6 +313,11 @@ fn key_request_body(
                     Prompt::Text(text) => {
                         (keys::hash_text(text, text_block_bytes), text.len(), false)
                     }
+                    Prompt::Pieces(pieces) => (
+                        keys::hash_text_pieces(pieces, text_block_bytes),
+                        pieces.iter().map(|p| p.len()).sum(),
+                        false,
+                    ),
                     Prompt::Tokens(ids) => {
                         (keys::hash_tokens(ids, token_block_tokens), ids.len(), true)
                     }

@@ -4,9 +4,11 @@
 //! produces the same prompt (the chat serialization its docstring describes, the text, or the
 //! token ids) and the same few facts, without building Python objects for a body that is mostly
 //! two or three long strings. One pass validates the body as JSON; a string without escapes is
-//! used where it lies in the body, and the others are decoded into one buffer. The key is then
-//! put together from slices of the two in a second buffer; a text prompt that is one string is
-//! not copied at all. Both buffers are the caller's (`Scratch`), kept from body to body.
+//! used where it lies in the body, and the others are decoded into one buffer. A text prompt
+//! that is one string is then not copied at all, and the chat serialization is a list of pieces:
+//! its long strings where they lie, and what it writes (tags, short strings, compact JSON) in a
+//! second buffer; the keys are hashed across the pieces (`keys::hash_text_pieces`). Both buffers
+//! are the caller's (`Scratch`), kept from body to body.
 //!
 //! It answers only when it is sure: anything the reference would reject, and anything whose
 //! Python value is awkward to reproduce (floats in serialized JSON, integers beyond 64 bits,
@@ -26,9 +28,12 @@ pub enum Api {
 /// A body's prompt, ready to key.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Prompt<'a> {
-    /// UTF-8 text (for chat, the serialization of tools and messages): in the body where it is
-    /// a string there without escapes, else in the caller's `Scratch`.
+    /// UTF-8 text: in the body where it is a string there without escapes, else in the
+    /// caller's `Scratch`.
     Text(&'a [u8]),
+    /// Text in pieces, to be read one after the other: the chat serialization of tools and
+    /// messages, whose long strings are not copied to put it together.
+    Pieces(Vec<&'a [u8]>),
     Tokens(Vec<u32>),
 }
 
@@ -649,11 +654,51 @@ fn token_list(items: &[Value<'_>]) -> Option<Vec<u32>> {
         .collect()
 }
 
+/// The chat serialization as it is put together: strings of the body (or decoded from it) by
+/// reference where they are long, the rest (tags, short strings, compact JSON) written into
+/// `text`, each run of it a piece.
+struct Serial<'a, 't> {
+    pieces: Vec<Piece<'a>>,
+    text: &'t mut Vec<u8>,
+    /// Where in `text` the run not yet in `pieces` starts.
+    run: usize,
+}
+
+enum Piece<'a> {
+    Borrowed(&'a [u8]),
+    Written(std::ops::Range<usize>),
+}
+
+impl<'a> Serial<'a, '_> {
+    /// Strings shorter than this are copied: a piece of their own would cost more than that.
+    const SHORT: usize = 256;
+
+    fn put(&mut self, s: &'a [u8]) {
+        if s.len() < Self::SHORT {
+            self.text.extend_from_slice(s);
+            return;
+        }
+        self.close_run();
+        self.pieces.push(Piece::Borrowed(s));
+    }
+
+    fn close_run(&mut self) {
+        if self.text.len() > self.run {
+            self.pieces.push(Piece::Written(self.run..self.text.len()));
+            self.run = self.text.len();
+        }
+    }
+}
+
 /// Appends a message's content as the reference's `_content_text` renders it.
-fn content_text(doc: &Doc<'_>, out: &mut Vec<u8>, content: Option<&Value<'_>>) -> Option<()> {
+fn content_text<'a>(
+    doc: &Doc<'a>,
+    out: &mut Serial<'a, '_>,
+    content: Option<&Value<'_>>,
+) -> Option<()> {
     match content {
         None | Some(Value::Null) => {}
-        Some(Value::Str(s)) => copy::append(out, doc.str(*s)),
+        Some(Value::Str(s)) => out.put(doc.str(*s)),
         Some(Value::Array(parts)) => {
             for part in parts {
                 let text = match part {
@@ -667,16 +712,16 @@ fn content_text(doc: &Doc<'_>, out: &mut Vec<u8>, content: Option<&Value<'_>>) -
                     other => other,
                 };
                 let Value::Str(s) = text else { return None };
-                copy::append(out, doc.str(*s));
+                out.put(doc.str(*s));
             }
         }
-        Some(other) => write_compact(doc, out, other)?,
+        Some(other) => write_compact(doc, out.text, other)?,
     }
     Some(())
 }
 
-/// Writes the chat serialization to `out`; returns whether it is a first turn.
-fn chat(doc: &Doc<'_>, out: &mut Vec<u8>) -> Option<bool> {
+/// Puts the chat serialization together in `out`; returns whether it is a first turn.
+fn chat<'a>(doc: &Doc<'a>, out: &mut Serial<'a, '_>) -> Option<bool> {
     let Some(Value::Array(messages)) = doc.get(&doc.root, b"messages") else {
         return None;
     };
@@ -694,35 +739,35 @@ fn chat(doc: &Doc<'_>, out: &mut Vec<u8>) -> Option<bool> {
         None | Some(Value::Null) => {}
         Some(tools @ Value::Array(items)) => {
             if !items.is_empty() {
-                out.extend_from_slice(b"<|tools|>");
-                write_compact(doc, out, tools)?;
-                out.push(b'\n');
+                out.text.extend_from_slice(b"<|tools|>");
+                write_compact(doc, out.text, tools)?;
+                out.text.push(b'\n');
             }
         }
         Some(_) => return None,
     }
     for (m, role) in messages.iter().zip(&roles) {
-        out.extend_from_slice(b"<|");
-        out.extend_from_slice(role);
-        out.extend_from_slice(b"|>");
+        out.text.extend_from_slice(b"<|");
+        out.text.extend_from_slice(role);
+        out.text.extend_from_slice(b"|>");
         content_text(doc, out, doc.get(m, b"content"))?;
         if let Some(calls) = doc.get(m, b"tool_calls") {
             if truthy(calls)? {
-                out.extend_from_slice(b"<|calls|>");
-                write_compact(doc, out, calls)?;
+                out.text.extend_from_slice(b"<|calls|>");
+                write_compact(doc, out.text, calls)?;
             }
         }
         match doc.get(m, b"tool_call_id") {
             None | Some(Value::Null | Value::Bool(false)) => {}
             Some(Value::Str(id)) => {
                 if id.end > id.start {
-                    out.extend_from_slice(b"<|id|>");
-                    out.extend_from_slice(doc.str(*id));
+                    out.text.extend_from_slice(b"<|id|>");
+                    out.put(doc.str(*id));
                 }
             }
             Some(_) => return None, // str() of anything else is the reference's
         }
-        out.push(b'\n');
+        out.text.push(b'\n');
     }
     Some(!roles.iter().any(|r| *r == b"assistant" || *r == b"tool"))
 }
@@ -794,13 +839,27 @@ pub fn view_body<'a>(api: Api, body: &'a [u8], scratch: &'a mut Scratch) -> Opti
     let (prompt, max_new_tokens, is_first_turn) = match api {
         Api::Chat => {
             text.clear();
-            text.reserve(body.len() + 4096);
-            let first = chat(&doc, text)?;
+            let mut serial = Serial {
+                pieces: Vec::new(),
+                text,
+                run: 0,
+            };
+            let first = chat(&doc, &mut serial)?;
+            serial.close_run();
+            let Serial { pieces, text, .. } = serial;
+            let text: &'a Vec<u8> = text;
+            let pieces = pieces
+                .into_iter()
+                .map(|piece| match piece {
+                    Piece::Borrowed(s) => s,
+                    Piece::Written(range) => &text[range],
+                })
+                .collect();
             let max_new = match doc.get(&doc.root, b"max_completion_tokens") {
                 Some(value) => limit(Some(value))?,
                 None => limit(doc.get(&doc.root, b"max_tokens"))?,
             };
-            (Prompt::Text(&text[..]), max_new, Some(first))
+            (Prompt::Pieces(pieces), max_new, Some(first))
         }
         Api::Generate => {
             let (prompt, max_new) = generate(doc)?;
@@ -833,6 +892,7 @@ mod tests {
     fn text(api: Api, body: &str) -> Vec<u8> {
         match view_body(api, body.as_bytes()).expect("fast path").prompt {
             Prompt::Text(t) => t.to_vec(),
+            Prompt::Pieces(pieces) => pieces.concat(),
             Prompt::Tokens(_) => panic!("expected text"),
         }
     }
@@ -870,6 +930,31 @@ mod tests {
     }
 
     #[test]
+    fn a_chat_s_long_strings_stay_where_they_are() {
+        let long = "x".repeat(300);
+        let escaped = "y\\n".repeat(200);
+        let body = format!(
+            r#"{{"messages":[{{"role":"system","content":"{long}"}},{{"role":"user","content":"{escaped}"}},{{"role":"user","content":"short"}}]}}"#
+        );
+        let view = view_body(Api::Chat, body.as_bytes()).unwrap();
+        let Prompt::Pieces(pieces) = view.prompt else {
+            panic!("chat comes in pieces")
+        };
+        let decoded = "y\n".repeat(200);
+        let expected: [&[u8]; 5] = [
+            b"<|system|>",
+            long.as_bytes(),
+            b"\n<|user|>",
+            decoded.as_bytes(),
+            b"\n<|user|>short\n",
+        ];
+        assert_eq!(pieces, expected);
+        // The first long string is the body's own bytes; the second, decoded, is not.
+        assert!(body.as_bytes().as_ptr_range().contains(&pieces[1].as_ptr()));
+        assert!(!body.as_bytes().as_ptr_range().contains(&pieces[3].as_ptr()));
+    }
+
+    #[test]
     fn duplicate_keys_take_the_last_value() {
         let body = r#"{"messages":[{"role":"user","content":"x"}],"max_tokens":5,"max_tokens":7,
                        "tools":[{"k":1,"k":2}]}"#;
@@ -877,7 +962,7 @@ mod tests {
         assert_eq!(view.max_new_tokens, Some(7));
         assert_eq!(
             view.prompt,
-            Prompt::Text(b"<|tools|>[{\"k\":2}]\n<|user|>x\n")
+            Prompt::Pieces(vec![b"<|tools|>[{\"k\":2}]\n<|user|>x\n"])
         );
     }
 
