@@ -35,9 +35,17 @@ class Policy(Protocol):
 
 def least_loaded(cluster: ClusterView, candidates: range | list[int] | None = None) -> int:
     """Fewest in-flight requests, then the least queued prefill (the first on ties)."""
-    idx = range(len(cluster.workers)) if candidates is None else candidates
     w = cluster.workers
-    return min(idx, key=lambda i: (w[i].in_flight, w[i].queued_prefill_tokens))
+    if candidates is not None:
+        return min(candidates, key=lambda i: (w[i].in_flight, w[i].queued_prefill_tokens))
+    if not w:
+        raise ValueError("no worker to choose from")
+    # Over every worker, on many requests: a plain loop, WorkerView unpacked in field order.
+    best, best_load, best_queued = 0, 0, 0
+    for i, (_, load, queued, _, _, _, _, _) in enumerate(w):
+        if i == 0 or load < best_load or (load == best_load and queued < best_queued):
+            best, best_load, best_queued = i, load, queued
+    return best
 
 
 from smetric.policies.cache_aware import CacheAware  # noqa: E402

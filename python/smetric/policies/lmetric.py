@@ -21,10 +21,10 @@ class LMetric:
         if not cluster.workers:
             raise ValueError("no worker to choose from")
         best, best_cost, best_load = 0, 0, 0
-        for i, w in enumerate(cluster.workers):
-            hit = min(int(w.local_hit_blocks * block_tokens), prompt)
-            load = w.in_flight
-            cost = (w.queued_prefill_tokens + prompt - hit) * (load + 1)
+        # Unpacked rather than read by name: WorkerView's fields, in order.
+        for i, (_, load, queued, _, _, _, _, blocks) in enumerate(cluster.workers):
+            hit = int(blocks * block_tokens)
+            cost = (queued + prompt - (hit if hit < prompt else prompt)) * (load + 1)
             if i == 0 or cost < best_cost or (cost == best_cost and load < best_load):
                 best, best_cost, best_load = i, cost, load
         return Decision(best, "lmetric_cost")
