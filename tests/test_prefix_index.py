@@ -324,22 +324,17 @@ def test_an_insert_in_steps_ends_as_one_insert_does():
         for i, keys in enumerate(prompts):
             name = f"w{i % 2}"
             added = whole.insert(name, keys)
-            assert stepped.insert(name, keys, step=97) == added or capacity < len(keys)
+            assert stepped.insert(name, keys, step=97) == added
             whole.insert(GLOBAL_TIER, keys)
             stepped.insert(GLOBAL_TIER, keys, step=1)
         for keys in prompts:
             a, b = whole.match(keys, touch=False), stepped.match(keys, touch=False)
             assert (a.blocks, a.global_blocks) == (b.blocks, b.global_blocks)
-        a, b = whole.stats()["instances"], stepped.stats()["instances"]
-        if capacity == 100_000:  # without eviction, the very same tree
-            assert a == b
-        else:  # eviction between steps may cut nodes elsewhere: the same holdings
-            for name in a:
-                assert a[name]["blocks"] == b[name]["blocks"]
-                # A prompt longer than the capacity loses its tail at each step, and gets it
-                # back at the next: those blocks count again.
-                if capacity > 1_000:
-                    assert a[name]["evicted_blocks"] == b[name]["evicted_blocks"]
+        # Only the last step evicts: the very same holdings, evictions and tree (the memory
+        # differs by what growing a node's keys step by step leaves spare).
+        a, b = whole.stats(), stepped.stats()
+        del a["bytes_used"], b["bytes_used"]
+        assert a == b
         stepped._check_invariants()
     with pytest.raises(ValueError, match="step"):
         stepped.insert("w0", prompts[0], step=0)

@@ -283,6 +283,16 @@ impl PrefixIndex {
         self.global.is_some()
     }
 
+    /// Evicts what `name` holds beyond its capacity (after `insert_over_capacity`); returns the
+    /// blocks evicted.
+    pub fn evict_to_capacity(&mut self, name: &str) -> Result<u64, IndexError> {
+        let slot = self.slot(name)?;
+        let before = self.inst(slot).evicted_blocks;
+        self.evict(slot);
+        self.compact_heap_if_needed(slot);
+        Ok(self.inst(slot).evicted_blocks - before)
+    }
+
     /// Changes a capacity, evicting at once if it shrinks; returns the blocks evicted.
     pub fn set_capacity(&mut self, name: &str, capacity_blocks: u64) -> Result<u64, IndexError> {
         let slot = self.slot(name)?;
@@ -432,6 +442,18 @@ impl PrefixIndex {
     /// it), touching the whole path, then evicts down to capacity. Returns the blocks newly held
     /// (before eviction).
     pub fn insert(&mut self, name: &str, keys: &[u64]) -> Result<u64, IndexError> {
+        let added = self.insert_over_capacity(name, keys)?;
+        let slot = self.slot(name)?;
+        self.evict(slot);
+        self.compact_heap_if_needed(slot);
+        Ok(added)
+    }
+
+    /// `insert` without the eviction: `name` may be left holding more than its capacity, until
+    /// `evict_to_capacity` or its next `insert`. A long prompt inserted in steps evicts once, at
+    /// its last step: evicting at each step would take the least recent node a step's worth at a
+    /// time, splitting it every time, where once takes it whole.
+    pub fn insert_over_capacity(&mut self, name: &str, keys: &[u64]) -> Result<u64, IndexError> {
         let slot = self.slot(name)?;
         let mut path = Vec::new();
         let matched = self.walk(keys, &mut path);
@@ -503,8 +525,6 @@ impl PrefixIndex {
             self.live_nodes += 1;
             added += self.hold(id, slot, now);
         }
-        self.evict(slot);
-        self.compact_heap_if_needed(slot);
         Ok(added)
     }
 

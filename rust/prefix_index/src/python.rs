@@ -523,14 +523,21 @@ impl PyPrefixIndex {
             // walked again), then hands the lock to whichever call waits for it, if any. The
             // first step takes in all the blocks already in the tree, so that the steps end only
             // inside the blocks this insert adds: a step ending inside a node that others hold
-            // would split it.
+            // would split it. Only the last step evicts (see `insert_over_capacity`).
             let mut added = 0;
             let mut end = index.known_prefix(keys);
             loop {
                 end = (end + step).min(keys.len());
-                added += index.insert(instance, &keys[..end])?;
                 if end == keys.len() {
-                    return Ok(added);
+                    return Ok(added + index.insert(instance, keys)?);
+                }
+                match index.insert_over_capacity(instance, &keys[..end]) {
+                    Ok(n) => added += n,
+                    Err(e) => {
+                        // What the earlier steps added stays, within the capacity.
+                        index.evict_to_capacity(instance)?;
+                        return Err(e);
+                    }
                 }
                 RwLockWriteGuard::bump(&mut index);
             }
