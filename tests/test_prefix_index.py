@@ -340,15 +340,16 @@ def test_an_insert_in_steps_ends_as_one_insert_does():
         stepped.insert("w0", prompts[0], step=0)
 
 
-def test_a_stepped_insert_that_fails_midway_leaves_its_instance_within_capacity():
+@pytest.mark.parametrize("tail", [100, 50])  # the failing step is not the last; it is
+def test_a_stepped_insert_that_fails_midway_leaves_its_instance_within_capacity(tail):
     # Keys taken as they are (not chained): the prompt reuses, at block 700, a key that names
     # another prefix, which the step reaching it finds; the steps before went in over capacity.
     # (Prompts of 512 blocks or more go in steps.)
     index = make_index("w0", capacity=250)
     index.insert("w0", BlockKeys.from_ids([9_000, 9_001], chained=True))
-    bad = BlockKeys.from_ids([*range(1_000, 1_700), 9_001, *range(2_000, 2_100)], chained=True)
+    ids = [*range(1_000, 1_700), 9_001, *range(2_000, 2_000 + tail - 1)]
     with pytest.raises(ValueError, match="position 700"):
-        index.insert("w0", bad, step=100)
+        index.insert("w0", BlockKeys.from_ids(ids, chained=True), step=100)
     assert index.stats()["instances"]["w0"]["blocks"] <= 250
     index._check_invariants()
 

@@ -528,17 +528,13 @@ impl PyPrefixIndex {
             let mut end = index.known_prefix(keys);
             loop {
                 end = (end + step).min(keys.len());
-                if end == keys.len() {
-                    return Ok(added + index.insert(instance, keys)?);
+                let step_added = index.insert_over_capacity(instance, &keys[..end]);
+                if step_added.is_err() || end == keys.len() {
+                    // Also after a failed step: what the steps before it added stays.
+                    index.evict_to_capacity(instance)?;
+                    return step_added.map(|n| added + n);
                 }
-                match index.insert_over_capacity(instance, &keys[..end]) {
-                    Ok(n) => added += n,
-                    Err(e) => {
-                        // What the earlier steps added stays, within the capacity.
-                        index.evict_to_capacity(instance)?;
-                        return Err(e);
-                    }
-                }
+                added += step_added?;
                 RwLockWriteGuard::bump(&mut index);
             }
         })

@@ -48,10 +48,11 @@ pub struct BodyView<'a> {
     pub is_first_turn: Option<bool>,
 }
 
-/// The buffers keying writes into: the decoded strings, and the chat serialization. Kept from
-/// one body to the next, so that keying a long prompt does not take fresh memory each time
-/// (glibc gives an allocation of 128 KB or more its own pages, which then fault in on every
-/// request: a 126 KB chat body took 135-170 µs instead of ~50 in `examples/keying_pieces.rs`).
+/// The buffers keying writes into: the decoded strings, and what the chat serialization writes.
+/// Kept from one body to the next, so that keying a long prompt does not take fresh memory each
+/// time: glibc may give an allocation of 128 KB or more pages of its own, which then fault in on
+/// every request (one allocation pattern measured here had a 126 KB chat body keyed in
+/// 135-170 µs instead of ~50).
 #[derive(Debug, Default)]
 pub struct Scratch {
     decoded: Vec<u8>,
@@ -374,9 +375,8 @@ impl<'a> Parser<'a> {
     /// Decodes a string into `text[filled..]`, from its start `raw_start` and its first escape
     /// (the backslash at `pos`); returns where its closing quote is.
     ///
-    /// The body is taken a chunk at a time at fixed steps, so that reading the next chunk never
-    /// waits on where the last escape was (it did, and that wait was most of the time a string
-    /// with an escape per line took). In a chunk, the quotes, backslashes and control
+    /// The body is taken a chunk at a time at fixed steps, so that where the next chunk is does
+    /// not depend on where the last escape was. In a chunk, the quotes, backslashes and control
     /// characters are found at once, as bits, and each run between them is stored as a whole
     /// chunk where the decoded text goes on: the next store overwrites what lies past the run.
     /// `text` is grown once per body so that such a store always fits (decoded text is never
