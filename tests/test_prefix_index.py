@@ -340,7 +340,7 @@ def test_an_insert_in_steps_ends_as_one_insert_does():
         stepped.insert("w0", prompts[0], step=0)
 
 
-@pytest.mark.parametrize("tail", [100, 50])  # the failing step is not the last; it is
+@pytest.mark.parametrize("tail", [150, 50])  # the failing step is not the last; it is
 def test_a_stepped_insert_that_fails_midway_leaves_its_instance_within_capacity(tail):
     # Keys taken as they are (not chained): the prompt reuses, at block 700, a key that names
     # another prefix, which the step reaching it finds; the steps before went in over capacity.

@@ -168,8 +168,19 @@ from smetric.router.app import raise_open_files_limit
 resource.setrlimit(resource.RLIMIT_NOFILE, (200, 300))
 print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))
 print(raise_open_files_limit(250))
+resource.setrlimit(resource.RLIMIT_NOFILE, (200, 300))
+real = resource.setrlimit
+def capped(kind, limits):  # as macOS refuses values above its own cap
+    if limits[0] > 160:
+        raise ValueError("not allowed")
+    real(kind, limits)
+resource.setrlimit = capped
+resource.setrlimit(resource.RLIMIT_NOFILE, (100, 300))
+print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE))
 """
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout.split("\n")
-    assert out[:2] == ["(200, 300) (300, 300)", "(300, 300)"]
+    # Raised to the hard limit, not past it; never lowered; where the system refuses the hard
+    # limit (300), to the highest half of it that it accepts (150).
+    assert out[:3] == ["(200, 300) (300, 300)", "(300, 300)", "(100, 150) (150, 300)"]

@@ -153,9 +153,10 @@ class PrefixIndex:
         With ``step``, the prompt goes in steps (the first takes in the blocks already in the
         index and ``step`` new ones, each later one ``step`` more) and the index's lock passes,
         between steps, to any call waiting for it: a match then waits for one step, not for the
-        whole of a long prompt. The end state is the same,
-        but the call is not atomic: an error leaves the steps before it in place, and blocks that
-        eviction took between steps count again when a later step brings them back."""
+        whole of a long prompt. The end state is the same (evictions too: only the last step, or
+        a failing one, evicts), but the call is not atomic: between steps, a call that gets the
+        lock sees the instance holding what the steps so far brought in, beyond its capacity if
+        so; and an error leaves the steps before it in place, evicted down to capacity."""
     def remove(self, instance: str, keys: BlockKeys) -> int:
         """Drops each named block from ``instance``, with everything it holds below that block (a
         page whose parent is gone cannot be reused). Keys may come in any order and need not be a

@@ -1269,20 +1269,28 @@ the client's and the worker's), as SGLang's own server does for itself."""
 def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> tuple[int, int]:
     """Raises this process's soft limit on open files towards ``target``, never above the hard
     limit and never lowering it; returns the soft limit before and after. Under the common
-    default of 1,024, a few hundred concurrent streams would use them up; the router would
-    still stay up (it refuses what it cannot open), but serve far fewer than it could."""
-    import resource
+    default of 1,024, a few hundred requests in flight would use them up. Where the system
+    refuses a value (macOS caps it below an unlimited hard limit), the highest it accepts of
+    halves of ``target`` is taken."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return 0, 0
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft, soft
     want = target if hard == resource.RLIM_INFINITY else min(target, hard)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    while want > soft:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError) as e:
-            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, want, e)
-            return soft, soft
+        except (ValueError, OSError):
+            want //= 2
+            continue
         log.info("open-files limit raised from %d to %d", soft, want)
         return soft, want
+    if soft < min(target, hard):
+        log.warning("cannot raise the open-files limit from %d towards %d", soft, target)
     return soft, soft
 
 

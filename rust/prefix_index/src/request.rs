@@ -60,11 +60,12 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Lets go of a buffer that has grown past `max` bytes (for a rare huge body).
+    /// Shrinks a buffer that has grown past `max` bytes (for a rare huge body) back to `max`.
     pub fn trim(&mut self, max: usize) {
         for buf in [&mut self.decoded, &mut self.text] {
             if buf.capacity() > max {
-                *buf = Vec::new();
+                buf.truncate(max); // past `filled`, nothing in it is read
+                buf.shrink_to(max);
             }
         }
     }
@@ -207,7 +208,7 @@ fn chunk_stops(chunk: &[u8; CHUNK]) -> (u32, u32) {
     (lo | hi << LANE, lo_high | hi_high)
 }
 
-/// Where the run of string bytes from `pos` ends: at the first `"`, `\\` or control character,
+/// Where the run of string bytes from `pos` ends: at the first `"`, `\` or control character,
 /// or at the body's end. `high` is made non-zero if the run has a byte beyond ASCII (and may be
 /// by one just past it, in the same chunk: harmless, as it only decides whether the string is
 /// checked to be UTF-8).
@@ -1142,6 +1143,42 @@ mod tests {
                 Some(Prompt::Text(text.as_bytes())),
                 "{}",
                 body
+            );
+        }
+    }
+
+    #[test]
+    fn bad_utf8_after_an_escape_is_left_to_the_reference() {
+        // Past the first escape the string is decoded; bytes beyond ASCII there must still be
+        // checked, in the chunked loop and in the body's last bytes alike.
+        for pad in [0, 100] {
+            let mut body = b"{\"prompt\":\"".to_vec();
+            body.extend_from_slice(&b"a\\n".repeat(40));
+            body.extend_from_slice(b"\xff\xfe");
+            body.extend_from_slice(&b"b".repeat(pad));
+            body.extend_from_slice(b"\"}");
+            assert_eq!(view_body(Api::Completions, &body), None, "pad {pad}");
+            // The same body with valid UTF-8 there is read.
+            let valid = String::from_utf8_lossy(&body).into_owned();
+            assert!(view_body(Api::Completions, valid.as_bytes()).is_some());
+        }
+    }
+
+    #[test]
+    fn a_body_cut_anywhere_is_left_to_the_reference() {
+        // Escapes of every kind near every possible end, in long strings: no cut may panic, and
+        // no cut body is JSON.
+        let content = "x\\n\\u00e9\\ud83d\\ude00\\\"y\\\\".repeat(12);
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"{content}"}},{{"role":"tool","content":"{content}","tool_call_id":"t\u0031"}}],"max_tokens":3}}"#
+        );
+        assert!(view_body(Api::Chat, body.as_bytes()).is_some());
+        let mut scratch = Scratch::default();
+        for cut in 0..body.len() {
+            assert_eq!(
+                super::view_body(Api::Chat, &body.as_bytes()[..cut], &mut scratch),
+                None,
+                "cut at {cut}"
             );
         }
     }
