@@ -377,6 +377,27 @@ def test_bad_input_gets_clear_4xx_json_and_changes_nothing():
     assert before == after
 
 
+def test_a_body_the_fast_path_leaves_to_the_reference_is_served_and_keyed_as_it_keys_it():
+    # A float in the tools: the Rust keying leaves the body to view_request, which the router
+    # then runs on the parsed body.
+    body = {
+        "messages": [{"role": "user", "content": "x" * 300}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"t": 0.5}}}],
+        "max_tokens": 4,
+    }
+
+    async def test(bed: Bed):
+        status, _, headers = await bed.post("/v1/chat/completions", body)
+        bed.router.settle()
+        match = bed.router.index.match(view_request("chat", body).key.keys, touch=False)
+        return status, headers["X-SMetric-Worker"], match, bed.router.index.instances()
+
+    status, worker, match, instances = run(test)
+    keys = view_request("chat", body).key.keys
+    assert status == 200 and len(keys) > 4
+    assert match.blocks[instances.index(worker)] == len(keys)  # learned under the same keys
+
+
 def test_cli_accepts_sglang_router_command_lines_and_rejects_bad_flags(capsys):
     c = parse_config(
         [
