@@ -36,14 +36,14 @@ class Policy(Protocol):
 def least_loaded(cluster: ClusterView, candidates: range | list[int] | None = None) -> int:
     """Fewest in-flight requests, then the least queued prefill (the first on ties)."""
     w = cluster.workers
-    if candidates is not None:
-        return min(candidates, key=lambda i: (w[i].in_flight, w[i].queued_prefill_tokens))
-    if not w:
+    idx = range(len(w)) if candidates is None else candidates
+    if not idx:
         raise ValueError("no worker to choose from")
     # Over every worker, on many requests: a plain loop, WorkerView unpacked in field order.
-    best, best_load, best_queued = 0, 0, 0
-    for i, (_, load, queued, _, _, _, _, _) in enumerate(w):
-        if i == 0 or load < best_load or (load == best_load and queued < best_queued):
+    best, best_load, best_queued = -1, 0, 0
+    for i in idx:
+        _, load, queued, _, _, _, _, _ = w[i]
+        if best < 0 or load < best_load or (load == best_load and queued < best_queued):
             best, best_load, best_queued = i, load, queued
     return best
 

@@ -1270,8 +1270,8 @@ def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> tuple[int, int]:
     """Raises this process's soft limit on open files towards ``target``, never above the hard
     limit and never lowering it; returns the soft limit before and after. Under the common
     default of 1,024, a few hundred requests in flight would use them up. Where the system
-    refuses a value (macOS caps it below an unlimited hard limit), the highest it accepts of
-    halves of ``target`` is taken."""
+    refuses a value (macOS caps it below an unlimited hard limit), it is halved until one is
+    accepted or it is no higher than the soft limit."""
     try:
         import resource
     except ImportError:  # not a POSIX system: nothing to raise

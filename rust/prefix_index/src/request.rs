@@ -51,8 +51,8 @@ pub struct BodyView<'a> {
 /// The buffers keying writes into: the decoded strings, and what the chat serialization writes.
 /// Kept from one body to the next, so that keying a long prompt does not take fresh memory each
 /// time: glibc may give an allocation of 128 KB or more pages of its own, which then fault in on
-/// every request (one allocation pattern measured here had a 126 KB chat body keyed in
-/// 135-170 µs instead of ~50).
+/// every request (in one allocation pattern measured here, 126 KB chat bodies took 135-173 µs
+/// to view, and 43-52 µs with the buffers kept).
 #[derive(Debug, Default)]
 pub struct Scratch {
     decoded: Vec<u8>,
