@@ -398,6 +398,48 @@ def test_a_body_the_fast_path_leaves_to_the_reference_is_served_and_keyed_as_it_
     assert match.blocks[instances.index(worker)] == len(keys)  # learned under the same keys
 
 
+def test_the_rust_data_plane_keys_bodies_itself_and_hands_over_the_rest():
+    """The Rust data plane keys a body outside the GIL and gives the router the keys, not the
+    bytes; a body its fast path leaves to the reference comes as bytes. Either way the router
+    sees what ``view_request`` sees."""
+    if DATA_PLANE != "rust":
+        pytest.skip("the aiohttp plane has the router key every body")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"t": 0.5}}}]
+    cases = [
+        ("/v1/chat/completions", "chat", CHAT, True),
+        ("/generate", "generate", GEN, True),
+        ("/v1/completions", "completions", COMP, True),
+        ("/generate", "generate", {"input_ids": list(range(100)), "max_new_tokens": 3}, True),
+        ("/v1/chat/completions", "chat", dict(CHAT, tools=tools), False),  # a float in tools
+    ]
+
+    async def test(bed: Bed):
+        calls: list[tuple[Any, Any]] = []
+        views: list[Any] = []
+        begin, view = bed.router.dp_begin, bed.router._view
+
+        def spy_begin(path: str, keyed: Any, raw: Any, *rest: Any) -> Any:
+            calls.append((keyed, raw))
+            return begin(path, keyed, raw, *rest)
+
+        def spy_view(*args: Any) -> Any:
+            views.append(view(*args))
+            return views[-1]
+
+        bed.router.dp_begin, bed.router._view = spy_begin, spy_view  # type: ignore[method-assign]
+        statuses = [(await bed.post(path, body))[0] for path, _, body, _ in cases]
+        return statuses, calls, views
+
+    statuses, calls, views = run(test)
+    assert statuses == [200] * len(cases)
+    for (_, api, body, fast), (keyed, raw), view in zip(cases, calls, views, strict=True):
+        if fast:
+            assert keyed is not None and raw is None
+        else:
+            assert keyed is None and json.loads(raw) == body
+        assert view == view_request(api, body)
+
+
 def test_cli_accepts_sglang_router_command_lines_and_rejects_bad_flags(capsys):
     c = parse_config(
         [

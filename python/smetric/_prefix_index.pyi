@@ -182,13 +182,16 @@ class PrefixIndex:
 class DataPlane:
     """The router's data plane (Rust: tokio and hyper): an HTTP/1.1 server for clients and a
     pooled client for workers. Generation requests are read here and handed to
-    ``router.dp_begin(path, body, headers, read_s)``, which returns an exchange (see
+    ``router.dp_begin(path, keyed, body, headers, read_s)``, which returns an exchange (see
     ``smetric.router.app.Exchange``) with its first attempt and whether the client streams
     (``(exchange, attempt or None, stream)``), an error ``(status, json_body)``, or None to pass
-    the request to the Python application at ``internal_url``, as every other route is. The
-    answers are booked in a queue the router takes with ``booked()`` (``Router.settle``): before
-    its decisions, when it reports, and when the data plane calls ``router.settle()`` a few
-    milliseconds after a step was queued."""
+    the request to the Python application at ``internal_url``, as every other route is. Given
+    ``keying=(text_block_bytes, token_block_tokens)``, the data plane keys each body itself, as
+    ``key_request_body`` does, outside the GIL: ``keyed`` is then what that returns and ``body``
+    None, except where the fast path leaves the body to the reference (``keyed`` None, ``body``
+    the bytes, as always without ``keying``). The answers are booked in a queue the router takes
+    with ``booked()`` (``Router.settle``): before its decisions, when it reports, and when the
+    data plane calls ``router.settle()`` a few milliseconds after a step was queued."""
 
     def __init__(
         self,
@@ -198,6 +201,7 @@ class DataPlane:
         read_timeout_s: float,
         connect_timeout_s: float,
         threads: int = 1,
+        keying: tuple[int, int] | None = None,
     ) -> None: ...
     def start(self, host: str, port: int) -> int:
         """Listens on ``host:port`` (0: a free port) and returns the port; OSError if it cannot."""

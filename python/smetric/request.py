@@ -176,8 +176,16 @@ def view_body(api: str, raw: bytes, headers: Mapping[str, str] | None = None) ->
     that the reference rejects, and a few rare shapes (floats inside tools, big integers, ...).
     """
     fast = key_request_body(api, raw, TEXT_BLOCK_BYTES, TOKEN_BLOCK_TOKENS)
-    if fast is None:
-        return None
+    return None if fast is None else view_keyed(api, fast, headers)
+
+
+KeyedBody = tuple[BlockKeys, int, bool, "int | None", bool, "bool | None"]
+"""What ``key_request_body`` returns for a body it keys (the Rust data plane keys bodies the
+same way, with ``TEXT_BLOCK_BYTES`` and ``TOKEN_BLOCK_TOKENS``, and hands the router this)."""
+
+
+def view_keyed(api: str, fast: KeyedBody, headers: Mapping[str, str] | None = None) -> RequestView:
+    """The view of a body ``key_request_body`` keyed (``view_body``'s second half)."""
     keys, length, is_tokens, max_new, stream, first = fast
     if is_tokens:
         key = PromptKey(keys, length, float(TOKEN_BLOCK_TOKENS))

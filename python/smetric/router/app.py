@@ -39,10 +39,13 @@ from smetric.prom import Histogram, render_families
 from smetric.request import (
     BYTES_PER_TOKEN,
     TEXT_BLOCK_BYTES,
+    TOKEN_BLOCK_TOKENS,
     BadRequest,
+    KeyedBody,
     RequestView,
     loads,
     view_body,
+    view_keyed,
     view_request,
 )
 from smetric.router.config import RouterConfig
@@ -740,9 +743,12 @@ class Router:
                 return value
         return f"{self._rid_prefix}{next(self._rid_count):016x}"
 
-    def _view(self, api: str, raw: bytes, headers: Mapping[str, str]) -> RequestView | bytes:
-        """The request as the index and the policies see it, or the body of a 400 (counted)."""
-        view = view_body(api, raw, headers)
+    def _view(
+        self, api: str, raw: bytes, headers: Mapping[str, str], keyed: KeyedBody | None = None
+    ) -> RequestView | bytes:
+        """The request as the index and the policies see it, or the body of a 400 (counted).
+        ``keyed``: what the Rust data plane made of the body (then ``raw`` is not read)."""
+        view = view_body(api, raw, headers) if keyed is None else view_keyed(api, keyed, headers)
         if view is None:  # what the fast path leaves to the reference, errors included
             try:
                 view = view_request(api, loads(raw), headers)
@@ -785,15 +791,23 @@ class Router:
     # ---- what the rust data plane calls (dataplane.rs) -------------------------------------
 
     def dp_begin(
-        self, path: str, raw: bytes, headers: Mapping[str, str], read_s: float
+        self,
+        path: str,
+        keyed: KeyedBody | None,
+        raw: bytes | None,
+        headers: Mapping[str, str],
+        read_s: float,
     ) -> tuple[Exchange, Attempt | None, bool] | tuple[int, bytes] | None:
         """A generation request the data plane has read: its exchange with its first attempt
         (``Exchange.next()``) and whether the client asked for a stream; or an error to answer
-        (status, JSON body); or None when the aiohttp application must serve it (PD mode)."""
+        (status, JSON body); or None when the aiohttp application must serve it (PD mode).
+
+        The data plane keys the body itself where the fast path can (``keyed``, as
+        ``key_request_body`` returns it; ``raw`` is then None); otherwise ``raw`` is the body."""
         if self.config.pd_disaggregation:
             return None
         t0 = time.perf_counter() - read_s
-        view = self._view(ROUTES[path], raw, headers)
+        view = self._view(ROUTES[path], raw or b"", headers, keyed)
         if isinstance(view, bytes):
             return 400, view
         ex = Exchange(self, view, path, self._request_id(headers), t0, headers)
@@ -1249,6 +1263,8 @@ async def listen(router: Router, host: str, port: int) -> Listening:
         config.request_timeout_secs,
         config.health_check_timeout_secs,
         config.data_plane_threads,
+        # In PD mode the aiohttp application serves generation and keys the body itself.
+        keying=None if config.pd_disaggregation else (TEXT_BLOCK_BYTES, TOKEN_BLOCK_TOKENS),
     )
     router._booked = plane.booked  # before the first answer can be queued
     router.plane = plane

@@ -53,6 +53,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::copy;
+use crate::python::{self, KeyedBody};
+use crate::request::Api;
 use crate::upstream::{AnswerBody, Upstream};
 use pyo3::types::PyList;
 use tokio::sync::{oneshot, watch, Notify};
@@ -189,6 +191,9 @@ struct Plane {
     /// The longest wait for a worker's next bytes (the head, or the next chunk).
     read_timeout: Duration,
     events: memchr::memmem::Finder<'static>,
+    /// Block sizes to key generation bodies with, text bytes and tokens (`keying`); None: the
+    /// router keys them itself.
+    keying: Option<(usize, usize)>,
 }
 
 fn full(data: impl Into<Bytes>) -> Body {
@@ -532,11 +537,13 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     if !generation {
         return Ok(to_internal(&plane, parts, raw).await);
     }
+    let keyed = key(&plane, parts.uri.path(), &raw);
     // The router reads the request, decides, and names the first worker (`decide_loop`).
     let (reply, decided) = oneshot::channel();
     plane.decisions.push(Waiting {
         parts,
         raw: raw.clone(),
+        keyed,
         arrived,
         reply,
     });
@@ -556,10 +563,26 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     )
 }
 
+/// A generation body keyed here, on the connection's thread, outside the GIL and before the
+/// decision's turn (`key_request_body`'s work): the router then takes the keys instead of a
+/// copy of the body. None where the fast path leaves the body to the router's reference path,
+/// or the data plane was started without `keying`.
+fn key(plane: &Plane, path: &str, raw: &[u8]) -> Option<KeyedBody> {
+    let (text_block_bytes, token_block_tokens) = plane.keying?;
+    let api = match path {
+        "/generate" => Api::Generate,
+        "/v1/chat/completions" => Api::Chat,
+        "/v1/completions" => Api::Completions,
+        _ => return None,
+    };
+    python::key_body(api, raw, text_block_bytes, token_block_tokens)
+}
+
 /// A generation request read whole, waiting for the router's decision.
 struct Waiting {
     parts: hyper::http::request::Parts,
     raw: Bytes,
+    keyed: Option<KeyedBody>,
     arrived: Instant,
     /// The request's head back, with what `dp_begin` made of it.
     reply: oneshot::Sender<(hyper::http::request::Parts, PyResult<Begun>)>,
@@ -615,7 +638,7 @@ async fn decide_loop(plane: Arc<Plane>) {
             .fetch_add(turn.len() as u64, Ordering::Relaxed);
         Python::attach(|py| {
             for w in turn {
-                let begun = begin(py, &plane, &w.parts, &w.raw, w.arrived);
+                let begun = begin(py, &plane, &w.parts, &w.raw, w.keyed, w.arrived);
                 // The client may have gone since: what comes back unsent is dropped here, and
                 // an exchange dropped with its attempt open ends it (`Exchange`'s `Drop`).
                 let _ = w.reply.send((w.parts, begun));
@@ -624,13 +647,15 @@ async fn decide_loop(plane: Arc<Plane>) {
     }
 }
 
-/// `router.dp_begin(path, body, headers, read_s)`: the exchange with its first attempt, an
-/// answer to give at once, or the Python application's to serve (PD mode).
+/// `router.dp_begin(path, keyed, body, headers, read_s)`: the exchange with its first attempt,
+/// an answer to give at once, or the Python application's to serve (PD mode). The body goes as
+/// a Python `bytes` only where it was not keyed here (`key`).
 fn begin(
     py: Python<'_>,
     plane: &Plane,
     parts: &hyper::http::request::Parts,
     raw: &Bytes,
+    keyed: Option<KeyedBody>,
     arrived: Instant,
 ) -> PyResult<Begun> {
     let headers = PyDict::new(py);
@@ -640,10 +665,14 @@ fn begin(
         }
     }
     let read_s = arrived.elapsed().as_secs_f64();
-    let out = plane.router.bind(py).call_method1(
-        "dp_begin",
-        (parts.uri.path(), py_bytes(py, raw)?, headers, read_s),
-    )?;
+    let body = match keyed {
+        Some(_) => None,
+        None => Some(py_bytes(py, raw)?),
+    };
+    let out = plane
+        .router
+        .bind(py)
+        .call_method1("dp_begin", (parts.uri.path(), keyed, body, headers, read_s))?;
     if out.is_none() {
         return Ok(Begun::Internal); // PD mode: the Python application serves it
     }
@@ -957,8 +986,9 @@ impl Drop for Open {
 }
 
 /// The data plane: `DataPlane(router, internal_url, max_payload_size, read_timeout_s,
-/// connect_timeout_s, threads)`, then `start(host, port)` (returns the port it listens on) and
-/// `stop()`.
+/// connect_timeout_s, threads, keying)`, then `start(host, port)` (returns the port it listens
+/// on) and `stop()`. `keying`, `(text_block_bytes, token_block_tokens)`, has the data plane key
+/// generation bodies itself (`key`); without it the router gets each body to key.
 #[pyclass(module = "smetric._prefix_index", name = "DataPlane")]
 pub struct PyDataPlane {
     router: Py<PyAny>,
@@ -967,6 +997,7 @@ pub struct PyDataPlane {
     read_timeout: Duration,
     connect_timeout: Duration,
     threads: usize,
+    keying: Option<(usize, usize)>,
     ledger: Arc<Ledger>,
     turns: Arc<TurnCounts>,
     running: Mutex<Option<Running>>,
@@ -984,7 +1015,7 @@ fn seconds(name: &str, value: f64) -> PyResult<Duration> {
 #[pymethods]
 impl PyDataPlane {
     #[new]
-    #[pyo3(signature = (router, internal_url, max_payload_size, read_timeout_s, connect_timeout_s, threads=1))]
+    #[pyo3(signature = (router, internal_url, max_payload_size, read_timeout_s, connect_timeout_s, threads=1, keying=None))]
     fn new(
         router: Py<PyAny>,
         internal_url: String,
@@ -992,10 +1023,18 @@ impl PyDataPlane {
         read_timeout_s: f64,
         connect_timeout_s: f64,
         threads: usize,
+        keying: Option<(i64, i64)>,
     ) -> PyResult<Self> {
         if threads == 0 {
             return Err(PyValueError::new_err("threads must be at least 1"));
         }
+        let keying = match keying {
+            Some((text, tokens)) => Some((
+                python::positive("text_block_bytes", text)?,
+                python::positive("token_block_tokens", tokens)?,
+            )),
+            None => None,
+        };
         Ok(Self {
             router,
             internal: internal_url.trim_end_matches('/').to_owned(),
@@ -1003,6 +1042,7 @@ impl PyDataPlane {
             read_timeout: seconds("read_timeout_s", read_timeout_s)?,
             connect_timeout: seconds("connect_timeout_s", connect_timeout_s)?,
             threads,
+            keying,
             ledger: Arc::default(),
             turns: Arc::new(TurnCounts::default()),
             running: Mutex::new(None),
@@ -1050,6 +1090,7 @@ impl PyDataPlane {
             max_payload: self.max_payload,
             read_timeout: self.read_timeout,
             events: memchr::memmem::Finder::new(b"data: {").into_owned(),
+            keying: self.keying,
         });
         let (stop, stopped) = watch::channel(false);
         // These run until the runtime stops: connections still draining need them.

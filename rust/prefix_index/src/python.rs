@@ -43,7 +43,7 @@ fn index_error(e: IndexError) -> PyErr {
     }
 }
 
-fn positive(name: &str, value: i64) -> PyResult<usize> {
+pub(crate) fn positive(name: &str, value: i64) -> PyResult<usize> {
     if value <= 0 {
         return Err(PyValueError::new_err(format!(
             "{name} must be a positive integer, got {value}"
@@ -284,7 +284,53 @@ const SCRATCH_MAX: usize = 4 << 20;
 
 /// What `key_request_body` returns: keys, prompt length (bytes of text or token ids), whether
 /// the prompt is token ids, max new tokens (None: the body names none), stream, first turn.
-type KeyedBody = (PyBlockKeys, usize, bool, Option<u64>, bool, Option<bool>);
+pub(crate) type KeyedBody = (PyBlockKeys, usize, bool, Option<u64>, bool, Option<bool>);
+
+/// The API a generation route serves, by its name in `smetric.request` (`generate`, `chat`,
+/// `completions`).
+fn api_named(api: &str) -> Option<Api> {
+    match api {
+        "generate" => Some(Api::Generate),
+        "chat" => Some(Api::Chat),
+        "completions" => Some(Api::Completions),
+        _ => None,
+    }
+}
+
+/// A body keyed as `key_request_body` keys it, on this thread's scratch buffers; no Python in
+/// it (the data plane calls it outside the GIL).
+pub(crate) fn key_body(
+    api: Api,
+    raw: &[u8],
+    text_block_bytes: usize,
+    token_block_tokens: usize,
+) -> Option<KeyedBody> {
+    SCRATCH.with_borrow_mut(|scratch| {
+        let keyed = request::view_body(api, raw, scratch).map(|view| {
+            let (keys, len, tokens) = match &view.prompt {
+                Prompt::Text(text) => (keys::hash_text(text, text_block_bytes), text.len(), false),
+                Prompt::Pieces(pieces) => (
+                    keys::hash_text_pieces(pieces, text_block_bytes),
+                    pieces.iter().map(|p| p.len()).sum(),
+                    false,
+                ),
+                Prompt::Tokens(ids) => {
+                    (keys::hash_tokens(ids, token_block_tokens), ids.len(), true)
+                }
+            };
+            (
+                PyBlockKeys { keys },
+                len,
+                tokens,
+                view.max_new_tokens,
+                view.stream,
+                view.is_first_turn,
+            )
+        });
+        scratch.trim(SCRATCH_MAX);
+        keyed
+    })
+}
 
 /// The router's fast path: a generation request keyed straight from its body bytes, as
 /// `smetric.request.view_request` would key the parsed body; None where that reference must
@@ -297,43 +343,14 @@ fn key_request_body(
     text_block_bytes: i64,
     token_block_tokens: i64,
 ) -> PyResult<Option<KeyedBody>> {
-    let api = match api {
-        "generate" => Api::Generate,
-        "chat" => Api::Chat,
-        "completions" => Api::Completions,
-        other => return Err(PyValueError::new_err(format!("unknown api {other:?}"))),
+    let Some(api) = api_named(api) else {
+        return Err(PyValueError::new_err(format!("unknown api {api:?}")));
     };
     let text_block_bytes = positive("text_block_bytes", text_block_bytes)?;
     let token_block_tokens = positive("token_block_tokens", token_block_tokens)?;
     let raw = body.as_bytes();
     Ok(maybe_detach(body.py(), raw.len(), DETACH_MIN_BODY, || {
-        SCRATCH.with_borrow_mut(|scratch| {
-            let keyed = request::view_body(api, raw, scratch).map(|view| {
-                let (keys, len, tokens) = match &view.prompt {
-                    Prompt::Text(text) => {
-                        (keys::hash_text(text, text_block_bytes), text.len(), false)
-                    }
-                    Prompt::Pieces(pieces) => (
-                        keys::hash_text_pieces(pieces, text_block_bytes),
-                        pieces.iter().map(|p| p.len()).sum(),
-                        false,
-                    ),
-                    Prompt::Tokens(ids) => {
-                        (keys::hash_tokens(ids, token_block_tokens), ids.len(), true)
-                    }
-                };
-                (
-                    PyBlockKeys { keys },
-                    len,
-                    tokens,
-                    view.max_new_tokens,
-                    view.stream,
-                    view.is_first_turn,
-                )
-            });
-            scratch.trim(SCRATCH_MAX);
-            keyed
-        })
+        key_body(api, raw, text_block_bytes, token_block_tokens)
     }))
 }
 
