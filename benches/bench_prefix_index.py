@@ -8,7 +8,7 @@ the same job the way a Python router would, so results read as ratios.
 from __future__ import annotations
 
 import random
-from itertools import cycle
+from itertools import count, cycle
 
 import pytest
 import xxhash
@@ -217,6 +217,41 @@ def test_insert_2048_blocks_with_eviction(benchmark):
     stats = index.stats()["instances"]["w0"]
     assert stats["blocks"] == 65_536
     benchmark.extra_info["blocks_per_insert"] = QUERY_BLOCKS
+
+
+RECORD_BLOCKS = 8_192  # a 512 KB text prompt
+GLOBAL_BLOCKS = 4_000_000  # the router's default global tier
+
+
+@pytest.mark.benchmark(group="record a distinct 8192-block prompt at capacity")
+def test_record_8192_blocks_worker_and_global_tier_at_capacity(benchmark):
+    """What the router's index does after serving a distinct 512 KB prompt (``record``): insert
+    it for the worker and the global tier, in 1,024-block steps, both at capacity, so that each
+    record also evicts as much from each. The key table then holds ~4 M keys, well beyond the
+    caches: each new key and each evicted one is a cache miss."""
+    index = PrefixIndex(global_capacity_blocks=GLOBAL_BLOCKS)
+    for w in ("w0", "w1"):
+        index.add_instance(w, 1_000_000)
+    prompts = (BlockKeys.from_ids(range(i << 20, (i << 20) + RECORD_BLOCKS)) for i in count())
+
+    def record(worker: str) -> int:
+        keys = next(prompts)
+        added = index.insert(worker, keys, step=1_024)
+        index.insert(GLOBAL_TIER, keys, step=1_024)
+        return added
+
+    for i in range(GLOBAL_BLOCKS // RECORD_BLOCKS + 20):
+        record(f"w{i % 2}")
+    stats = index.stats()
+    assert stats["global"]["blocks"] == GLOBAL_BLOCKS and stats["global"]["evicted_blocks"] > 0
+    assert stats["instances"]["w0"]["evicted_blocks"] > 0
+
+    turns = cycle(("w0", "w1"))
+    added: list[int] = []
+    benchmark.pedantic(lambda: added.append(record(next(turns))), rounds=200)
+    assert set(added) == {RECORD_BLOCKS}
+    assert index.stats()["global"]["blocks"] == GLOBAL_BLOCKS
+    benchmark.extra_info["blocks_per_record"] = RECORD_BLOCKS
 
 
 # ---- memory -------------------------------------------------------------------------------

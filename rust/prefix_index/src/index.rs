@@ -6,8 +6,9 @@
 //! * Holdings are prefix-closed: an instance that holds a node holds all its ancestors. That is
 //!   what a KV cache holds (a page is useless without the pages before it), and it makes a match
 //!   one walk down the tree: an instance's match length is the depth where it last appears.
-//! * Every block key is in one hash map, key -> (node, offset). Walking uses it to step from node
-//!   to child; `remove` uses it to find a block named only by its key (as KV events name them).
+//! * Every block key is in one hash table, key -> (node, offset) (`KeyTable`). Walking uses it to
+//!   step from node to child; `remove` uses it to find a block named only by its key (as KV
+//!   events name them). Loops over a run of keys prefetch the table a few keys ahead.
 //! * LRU per instance, evicting leaves first. A touch stamps every node of the path with the same
 //!   clock tick; ties order deeper nodes first. So a parent is never older than its child, the
 //!   least recent node of an instance is one of its leaves, and eviction keeps holdings
@@ -15,41 +16,23 @@
 //!   rewrites its stamp, and a stale heap entry is re-pushed with the fresh stamp when popped.
 
 use std::cmp::Reverse;
-use std::collections::hash_map::Entry;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
-use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::keytable::{KeyTable, PREFETCH_AHEAD};
 
 /// The reserved name of the shared global KV tier (a Mooncake-style store). It is an instance like
 /// any other (capacity, LRU), but it is listed and matched apart from the GPU instances.
 pub const GLOBAL_TIER: &str = "@global";
 
+/// The most keys the table makes room for at once for a global tier's capacity (`add_instance`):
+/// 8 M keys, a 256 MiB table; beyond that it grows as keys come.
+const GLOBAL_TIER_ROOM_MAX: u64 = 8 << 20;
+
 const ROOT: u32 = 0;
 const NONE: u32 = u32::MAX;
 
 type Slot = u16;
-
-/// Block keys are hashes already, but caller-supplied ids (trace `hash_ids`) can be small
-/// sequential integers; a folded multiply spreads both over the table.
-#[derive(Default)]
-struct KeyHasher(u64);
-
-impl Hasher for KeyHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.write_u64(u64::from(*b));
-        }
-    }
-    fn write_u64(&mut self, k: u64) {
-        let product = u128::from(k ^ self.0) * 0x9E37_79B9_7F4A_7C15_u128;
-        self.0 = (product as u64) ^ ((product >> 64) as u64);
-    }
-}
-
-type KeyMap = HashMap<u64, (u32, u32), BuildHasherDefault<KeyHasher>>;
 
 #[derive(Clone, Copy, Debug)]
 struct Holder {
@@ -179,7 +162,7 @@ pub struct PrefixIndex {
     nodes: Vec<Node>,
     free: Vec<u32>,
     live_nodes: u64,
-    map: KeyMap,
+    map: KeyTable,
     slots: Vec<Option<Instance>>,
     /// GPU instances in add order (the dense order of match results).
     order: Vec<Slot>,
@@ -210,7 +193,7 @@ impl PrefixIndex {
             nodes: vec![root],
             free: Vec::new(),
             live_nodes: 0,
-            map: KeyMap::default(),
+            map: KeyTable::default(),
             slots: Vec::new(),
             order: Vec::new(),
             names: HashMap::new(),
@@ -248,6 +231,13 @@ impl PrefixIndex {
         self.names.insert(name.into(), slot);
         if name == GLOBAL_TIER {
             self.global = Some(slot);
+            // Every prompt served is written through to the global tier, so its capacity is
+            // about as many keys as the index will hold: the key table takes room for them now
+            // instead of growing on the way, each growth a pass over the whole table under the
+            // caller's lock (60-185 ms at 2-4 M keys, measured). The room is zeroed memory, which
+            // the system fills only as it is touched.
+            let room = capacity_blocks.min(GLOBAL_TIER_ROOM_MAX) as usize;
+            self.map.reserve(room.saturating_sub(self.map.len()));
         } else {
             self.order.push(slot);
         }
@@ -325,7 +315,7 @@ impl PrefixIndex {
         let mut parent = ROOT;
         let mut pos = 0;
         while pos < keys.len() {
-            let Some(&(node, offset)) = self.map.get(&keys[pos]) else {
+            let Some((node, offset)) = self.map.get(keys[pos]) else {
                 break;
             };
             let n = &self.nodes[node as usize];
@@ -483,22 +473,21 @@ impl PrefixIndex {
                 }
             };
             // Register the new keys first: a conflict rolls back before anything else changed.
+            self.map.reserve(new_keys.len());
             for (i, &k) in new_keys.iter().enumerate() {
-                match self.map.entry(k) {
-                    Entry::Vacant(v) => {
-                        v.insert((target, (base + i) as u32));
+                if let Some(&ahead) = new_keys.get(i + PREFETCH_AHEAD) {
+                    self.map.prefetch(ahead);
+                }
+                if !self.map.insert_new(k, (target, (base + i) as u32)) {
+                    for &k in &new_keys[..i] {
+                        self.map.remove(k);
                     }
-                    Entry::Occupied(_) => {
-                        for k in &new_keys[..i] {
-                            self.map.remove(k);
-                        }
-                        if let Some(id) = new_node {
-                            self.release(id);
-                        }
-                        return Err(IndexError::KeyConflict {
-                            position: matched + i,
-                        });
+                    if let Some(id) = new_node {
+                        self.release(id);
                     }
+                    return Err(IndexError::KeyConflict {
+                        position: matched + i,
+                    });
                 }
             }
         }
@@ -639,8 +628,12 @@ impl PrefixIndex {
             c.parent = tail;
             child = c.next_sibling;
         }
-        for (i, k) in tail_keys.iter().enumerate() {
-            *self.map.get_mut(k).expect("indexed key") = (tail, i as u32);
+        for (i, &k) in tail_keys.iter().enumerate() {
+            if let Some(&ahead) = tail_keys.get(i + PREFETCH_AHEAD) {
+                self.map.prefetch(ahead);
+            }
+            let indexed = self.map.set(k, (tail, i as u32));
+            debug_assert!(indexed, "indexed key");
         }
         let generation = {
             let t = &mut self.nodes[tail as usize];
@@ -686,7 +679,11 @@ impl PrefixIndex {
         if orphan {
             // Holdings are prefix-closed, so a node nobody holds has no children left.
             debug_assert_eq!(self.nodes[node as usize].first_child, NONE);
-            for k in &self.nodes[node as usize].keys {
+            let keys = &self.nodes[node as usize].keys;
+            for (i, &k) in keys.iter().enumerate() {
+                if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+                    self.map.prefetch(ahead);
+                }
                 self.map.remove(k);
             }
             self.unlink(node);
@@ -799,7 +796,7 @@ impl PrefixIndex {
         let slot = self.slot(name)?;
         let mut dropped = 0;
         for k in keys {
-            let Some(&(node, offset)) = self.map.get(k) else {
+            let Some((node, offset)) = self.map.get(*k) else {
                 continue;
             };
             if self.nodes[node as usize].holder(slot).is_none() {
@@ -851,8 +848,7 @@ impl PrefixIndex {
         for n in &self.nodes {
             bytes += n.keys.capacity() * 8 + n.holders.capacity() * size_of::<Holder>();
         }
-        // hashbrown: one (key, value) slot and one control byte per bucket, buckets = 8/7 capacity.
-        bytes += self.map.capacity() * 8 / 7 * (size_of::<(u64, (u32, u32))>() + 1);
+        bytes += self.map.bytes();
         for inst in self.slots.iter().flatten() {
             bytes += inst.heap.capacity() * size_of::<Reverse<HeapEntry>>() + inst.name.capacity();
         }
@@ -889,7 +885,7 @@ impl PrefixIndex {
             };
             assert_eq!(n.depth, parent_depth, "depth of node {id}");
             for (i, k) in n.keys.iter().enumerate() {
-                assert_eq!(self.map.get(k), Some(&(id as u32, i as u32)));
+                assert_eq!(self.map.get(*k), Some((id as u32, i as u32)));
             }
             for h in &n.holders {
                 blocks[usize::from(h.slot)] += n.keys.len() as u64;

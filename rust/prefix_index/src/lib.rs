@@ -7,6 +7,7 @@
 pub mod copy;
 pub mod index;
 pub mod keys;
+mod keytable;
 pub mod request;
 
 #[cfg(feature = "python")]
