@@ -265,6 +265,44 @@ def test_bodies_are_forwarded_byte_for_byte_and_request_ids_echoed():
     assert generated and headers[1]["X-Request-ID"] == generated
 
 
+def test_a_large_body_arriving_in_many_pieces_is_forwarded_whole_sized_or_chunked():
+    """A body of several hundred KB reaches the router in many reads; with a length, and
+    chunked (no length given), the worker gets it byte for byte and it is keyed as sent."""
+    text = "".join(f"line {i} of a long tool output\\n" for i in range(20_000))
+    raw = json.dumps({"text": text, "sampling_params": {"max_new_tokens": 2}}).encode()
+    assert len(raw) > 600_000
+
+    async def pieces() -> Any:
+        for i in range(0, len(raw), 40_000):
+            yield raw[i : i + 40_000]
+            await asyncio.sleep(0)
+
+    async def test(bed: Bed, capture: CaptureWorker):
+        statuses = []
+        for data in (raw, pieces()):
+            async with bed.session.post(
+                bed.base + "/generate", data=data, headers={"Content-Type": "application/json"}
+            ) as r:
+                statuses.append(r.status)
+                await r.read()
+        keys = view_request("generate", json.loads(raw)).key.keys
+        (url,) = bed.router.index.instances()
+        capacity = bed.router.index.stats()["instances"][url]["capacity_blocks"]
+        for _ in range(200):  # a large prompt is recorded in steps, after its answer
+            bed.router.settle()
+            if bed.router.index.match(keys, touch=False).blocks == [min(len(keys), capacity)]:
+                break
+            await asyncio.sleep(0.01)
+        held = bed.router.index.match(keys, touch=False).blocks
+        return statuses, capture.bodies, capture.headers, held, [min(len(keys), capacity)]
+
+    statuses, bodies, headers, held, expected = with_capture(test)
+    assert statuses == [200, 200]
+    assert bodies == [raw, raw]
+    assert "Content-Length" in headers[0] and headers[1].get("Transfer-Encoding") != "chunked"
+    assert held == expected  # keyed as view_request keys the body
+
+
 def test_decision_headers_can_be_turned_off():
     async def test(bed: Bed, capture: CaptureWorker):
         async with bed.session.post(bed.base + "/generate", json={"text": "a"}) as r:

@@ -462,8 +462,19 @@ impl Drop for Exchange {
 }
 
 async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static str)> {
+    // The declared length, to join the frames into as they come (a larger one fails below).
+    let declared = body
+        .size_hint()
+        .exact()
+        .map_or(0, |n| n as usize)
+        .min(limit);
     let mut body = Limited::new(body, limit);
-    let mut frames: Vec<Bytes> = Vec::new();
+    // One frame is the body as it is; from the second, the frames are copied into one buffer
+    // as each arrives, while the client is still sending the rest, so that only the last
+    // frame's copy follows the body's end (`copy::append`: glibc's copy can be an order of
+    // magnitude slower at some distances between two large buffers).
+    let mut first: Option<Bytes> = None;
+    let mut joined: Vec<u8> = Vec::new();
     while !body.is_end_stream() {
         let Some(frame) = body.frame().await else {
             break;
@@ -475,20 +486,23 @@ async fn read_body(body: Incoming, limit: usize) -> Result<Bytes, (u16, &'static
             }
             Err(_) => return Err((400, "could not read the request body")),
         };
-        if let Ok(data) = frame.into_data() {
-            frames.push(data);
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        match first.take() {
+            None if joined.is_empty() => first = Some(data),
+            None => copy::append(&mut joined, &data),
+            Some(head) => {
+                joined.reserve_exact(declared.max(head.len() + data.len()));
+                copy::append(&mut joined, &head);
+                copy::append(&mut joined, &data);
+            }
         }
     }
-    // One frame is the body as it is; more are joined (`copy::append`: glibc's copy can be an
-    // order of magnitude slower at some distances between two large buffers).
-    if frames.len() == 1 {
-        return Ok(frames.pop().expect("one frame"));
-    }
-    let mut joined = Vec::with_capacity(frames.iter().map(Bytes::len).sum());
-    for frame in &frames {
-        copy::append(&mut joined, frame);
-    }
-    Ok(Bytes::from(joined))
+    Ok(match first {
+        Some(whole) => whole,
+        None => Bytes::from(joined),
+    })
 }
 
 /// The next data of a worker's answer: `Ok(None)` at its end, `Err` when it broke or went
