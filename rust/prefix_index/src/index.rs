@@ -25,10 +25,6 @@ use crate::keytable::{KeyTable, PREFETCH_AHEAD};
 /// any other (capacity, LRU), but it is listed and matched apart from the GPU instances.
 pub const GLOBAL_TIER: &str = "@global";
 
-/// The most keys the table makes room for at once for a global tier's capacity (`add_instance`):
-/// 8 M keys, a 256 MiB table; beyond that it grows as keys come.
-const GLOBAL_TIER_ROOM_MAX: u64 = 8 << 20;
-
 const ROOT: u32 = 0;
 const NONE: u32 = u32::MAX;
 
@@ -231,13 +227,6 @@ impl PrefixIndex {
         self.names.insert(name.into(), slot);
         if name == GLOBAL_TIER {
             self.global = Some(slot);
-            // Every prompt served is written through to the global tier, so its capacity is
-            // about as many keys as the index will hold: the key table takes room for them now
-            // instead of growing on the way, each growth a pass over the whole table under the
-            // caller's lock (60-185 ms at 2-4 M keys, measured). The room is zeroed memory, which
-            // the system fills only as it is touched.
-            let room = capacity_blocks.min(GLOBAL_TIER_ROOM_MAX) as usize;
-            self.map.reserve(room.saturating_sub(self.map.len()));
         } else {
             self.order.push(slot);
         }
@@ -633,7 +622,7 @@ impl PrefixIndex {
                 self.map.prefetch(ahead);
             }
             let indexed = self.map.set(k, (tail, i as u32));
-            debug_assert!(indexed, "indexed key");
+            assert!(indexed, "indexed key");
         }
         let generation = {
             let t = &mut self.nodes[tail as usize];

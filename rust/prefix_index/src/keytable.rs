@@ -4,8 +4,8 @@
 //!
 //! Why not std's `HashMap`: a prompt's keys are hashes, so each lands in a cold cache line of a
 //! table that, for a large global tier, spans a hundred megabytes; a long prompt inserts (and
-//! an eviction removes) thousands of them, each a cache and TLB miss waited out one after the
-//! other. Here the caller can `prefetch` the slot of a key a few places ahead, so that the
+//! an eviction removes) thousands of them, each a cache and TLB miss, mostly waited out one after
+//! another. Here the caller can `prefetch` the slot of a key a few places ahead, so that the
 //! misses of a run of keys overlap.
 
 /// A slot: `[key, node << 32 | offset]`. Key 0 marks an empty slot; the entry of key 0 itself
@@ -187,9 +187,7 @@ impl KeyTable {
             return;
         }
         let slots = (needed * 4 / 3 + 1).next_power_of_two().max(MIN_SLOTS);
-        // Zeroed memory is empty slots: for a large table the allocator maps fresh pages, which
-        // the kernel fills only as they are touched.
-        let old = std::mem::replace(&mut self.slots, vec![[0u64; 2]; slots].into_boxed_slice());
+        let old = std::mem::replace(&mut self.slots, empty_slots(slots));
         self.shift = 64 - slots.trailing_zeros();
         let mask = self.mask();
         for (n, s) in old.iter().enumerate() {
@@ -206,6 +204,15 @@ impl KeyTable {
             self.slots[i] = *s;
         }
     }
+}
+
+/// `len` empty slots, written as zeros rather than allocated zeroed: a large zeroed allocation
+/// is fresh pages, which the reinsertion would first read (mapping the shared zero page) and then
+/// write (a second fault, to copy it), where a write takes one fault per page.
+fn empty_slots(len: usize) -> Box<[Slot]> {
+    let mut slots = Vec::with_capacity(len);
+    slots.resize(len, [EMPTY, 0]);
+    slots.into_boxed_slice()
 }
 
 #[cfg(test)]
