@@ -286,17 +286,6 @@ const SCRATCH_MAX: usize = 4 << 20;
 /// the prompt is token ids, max new tokens (None: the body names none), stream, first turn.
 pub(crate) type KeyedBody = (PyBlockKeys, usize, bool, Option<u64>, bool, Option<bool>);
 
-/// The API a generation route serves, by its name in `smetric.request` (`generate`, `chat`,
-/// `completions`).
-fn api_named(api: &str) -> Option<Api> {
-    match api {
-        "generate" => Some(Api::Generate),
-        "chat" => Some(Api::Chat),
-        "completions" => Some(Api::Completions),
-        _ => None,
-    }
-}
-
 /// A body keyed as `key_request_body` keys it, on this thread's scratch buffers; no Python in
 /// it (the data plane calls it outside the GIL).
 pub(crate) fn key_body(
@@ -343,8 +332,11 @@ fn key_request_body(
     text_block_bytes: i64,
     token_block_tokens: i64,
 ) -> PyResult<Option<KeyedBody>> {
-    let Some(api) = api_named(api) else {
-        return Err(PyValueError::new_err(format!("unknown api {api:?}")));
+    let api = match api {
+        "generate" => Api::Generate,
+        "chat" => Api::Chat,
+        "completions" => Api::Completions,
+        other => return Err(PyValueError::new_err(format!("unknown api {other:?}"))),
     };
     let text_block_bytes = positive("text_block_bytes", text_block_bytes)?;
     let token_block_tokens = positive("token_block_tokens", token_block_tokens)?;
