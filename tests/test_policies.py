@@ -18,6 +18,20 @@ def req(prompt_tokens: int = 1600, session: str | None = None, first: bool | Non
     return RequestView("chat", key, 100, False, session, first)
 
 
+def test_worker_views_keep_the_field_order_hot_code_reads_by_position():
+    # least_loaded, lmetric, kv_cost and Worker.view unpack or index WorkerView by position.
+    assert WorkerView._fields == (
+        "url",
+        "in_flight",
+        "queued_prefill_tokens",
+        "running_decode_tokens",
+        "polled_running",
+        "polled_waiting",
+        "token_usage",
+        "local_hit_blocks",
+    )
+
+
 def cluster(*workers: WorkerView, global_hit: int = 0, query_blocks: int = 100) -> ClusterView:
     return ClusterView(tuple(workers), global_hit, query_blocks, 16.0)
 

@@ -20,6 +20,7 @@ from smetric.perf import PRESETS
 from smetric.policies import POLICIES
 from smetric.request import view_request
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
+from smetric.router import app as app_module
 from smetric.router.app import Exchange
 from smetric.router.workers import Worker
 
@@ -436,10 +437,11 @@ def test_a_body_the_fast_path_leaves_to_the_reference_is_served_and_keyed_as_it_
     assert match.blocks[instances.index(worker)] == len(keys)  # learned under the same keys
 
 
-def test_the_rust_data_plane_keys_bodies_itself_and_hands_over_the_rest():
+def test_the_rust_data_plane_keys_bodies_itself_and_hands_over_the_rest(monkeypatch):
     """The Rust data plane keys a body outside the GIL and gives the router the keys, not the
-    bytes; a body its fast path leaves to the reference comes as bytes. Either way the router
-    sees what ``view_request`` sees."""
+    bytes; a body its fast path leaves to the reference comes as bytes, and the router takes it
+    straight to the reference (the fast path is not tried twice). Either way the router sees
+    what ``view_request`` sees."""
     if DATA_PLANE != "rust":
         pytest.skip("the aiohttp plane has the router key every body")
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"t": 0.5}}}]
@@ -468,8 +470,17 @@ def test_the_rust_data_plane_keys_bodies_itself_and_hands_over_the_rest():
         statuses = [(await bed.post(path, body))[0] for path, _, body, _ in cases]
         return statuses, calls, views
 
+    fast_in_python: list[str] = []
+    view_body = app_module.view_body
+
+    def counted(api: str, *rest: Any) -> Any:
+        fast_in_python.append(api)
+        return view_body(api, *rest)
+
+    monkeypatch.setattr(app_module, "view_body", counted)
     statuses, calls, views = run(test)
     assert statuses == [200] * len(cases)
+    assert fast_in_python == []
     for (_, api, body, fast), (keyed, raw), view in zip(cases, calls, views, strict=True):
         if fast:
             assert keyed is not None and raw is None

@@ -11,7 +11,10 @@ from typing import NamedTuple
 
 
 class WorkerView(NamedTuple):
-    """One worker as a policy sees it (a named tuple: built per worker per request, so cheap)."""
+    """One worker as a policy sees it (a named tuple: built per worker per request, so cheap).
+
+    Hot code reads it by position (`least_loaded`, `lmetric`, `kv_cost`, `Worker.view`): its
+    fields keep this order (a test pins it)."""
 
     url: str
     in_flight: int = 0

@@ -744,11 +744,20 @@ class Router:
         return f"{self._rid_prefix}{next(self._rid_count):016x}"
 
     def _view(
-        self, api: str, raw: bytes, headers: Mapping[str, str], keyed: KeyedBody | None = None
+        self,
+        api: str,
+        raw: bytes,
+        headers: Mapping[str, str],
+        keyed: KeyedBody | None = None,
+        fast_tried: bool = False,
     ) -> RequestView | bytes:
         """The request as the index and the policies see it, or the body of a 400 (counted).
-        ``keyed``: what the Rust data plane made of the body (then ``raw`` is not read)."""
-        view = view_body(api, raw, headers) if keyed is None else view_keyed(api, keyed, headers)
+        ``keyed``: what the Rust data plane made of the body (then ``raw`` is not read);
+        ``fast_tried``: the data plane tried its fast path and left the body to the reference."""
+        if keyed is not None:
+            view: RequestView | None = view_keyed(api, keyed, headers)
+        else:
+            view = None if fast_tried else view_body(api, raw, headers)
         if view is None:  # what the fast path leaves to the reference, errors included
             try:
                 view = view_request(api, loads(raw), headers)
@@ -807,7 +816,9 @@ class Router:
         if self.config.pd_disaggregation:
             return None
         t0 = time.perf_counter() - read_s
-        view = self._view(ROUTES[path], raw or b"", headers, keyed)
+        # Started by `listen` outside PD mode, the data plane keys every body it can: one it
+        # hands over as bytes, its fast path has already left to the reference.
+        view = self._view(ROUTES[path], raw or b"", headers, keyed, True)
         if isinstance(view, bytes):
             return 400, view
         ex = Exchange(self, view, path, self._request_id(headers), t0, headers)

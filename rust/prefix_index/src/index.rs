@@ -19,7 +19,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 use std::fmt;
 
-use crate::keytable::{KeyTable, PREFETCH_AHEAD};
+use crate::keytable::KeyTable;
 
 /// The reserved name of the shared global KV tier (a Mooncake-style store). It is an instance like
 /// any other (capacity, LRU), but it is listed and matched apart from the GPU instances.
@@ -422,9 +422,7 @@ impl PrefixIndex {
     /// (before eviction).
     pub fn insert(&mut self, name: &str, keys: &[u64]) -> Result<u64, IndexError> {
         let added = self.insert_over_capacity(name, keys)?;
-        let slot = self.slot(name)?;
-        self.evict(slot);
-        self.compact_heap_if_needed(slot);
+        self.evict_to_capacity(name)?;
         Ok(added)
     }
 
@@ -464,9 +462,7 @@ impl PrefixIndex {
             // Register the new keys first: a conflict rolls back before anything else changed.
             self.map.reserve(new_keys.len());
             for (i, &k) in new_keys.iter().enumerate() {
-                if let Some(&ahead) = new_keys.get(i + PREFETCH_AHEAD) {
-                    self.map.prefetch(ahead);
-                }
+                self.map.prefetch_ahead(new_keys, i);
                 if !self.map.insert_new(k, (target, (base + i) as u32)) {
                     for &k in &new_keys[..i] {
                         self.map.remove(k);
@@ -618,9 +614,7 @@ impl PrefixIndex {
             child = c.next_sibling;
         }
         for (i, &k) in tail_keys.iter().enumerate() {
-            if let Some(&ahead) = tail_keys.get(i + PREFETCH_AHEAD) {
-                self.map.prefetch(ahead);
-            }
+            self.map.prefetch_ahead(&tail_keys, i);
             let indexed = self.map.set(k, (tail, i as u32));
             assert!(indexed, "indexed key");
         }
@@ -670,9 +664,7 @@ impl PrefixIndex {
             debug_assert_eq!(self.nodes[node as usize].first_child, NONE);
             let keys = &self.nodes[node as usize].keys;
             for (i, &k) in keys.iter().enumerate() {
-                if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
-                    self.map.prefetch(ahead);
-                }
+                self.map.prefetch_ahead(keys, i);
                 self.map.remove(k);
             }
             self.unlink(node);

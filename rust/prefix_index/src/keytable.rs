@@ -15,8 +15,8 @@ type Slot = [u64; 2];
 const EMPTY: u64 = 0;
 const MIN_SLOTS: usize = 16;
 
-/// How far ahead of the key in hand a loop over keys prefetches (`KeyTable::prefetch`).
-pub const PREFETCH_AHEAD: usize = 16;
+/// How far ahead of the key in hand a loop over keys prefetches (`KeyTable::prefetch_ahead`).
+const PREFETCH_AHEAD: usize = 16;
 /// Tables from this many slots (256 KiB) are prefetched.
 const PREFETCH_FROM_SLOTS: usize = 1 << 14;
 
@@ -72,10 +72,18 @@ impl KeyTable {
         (mix(k) >> self.shift) as usize
     }
 
-    /// Starts loading the cache line of `k`'s home slot, for a lookup, insert or removal of `k`
-    /// soon after (`PREFETCH_AHEAD` keys later, in a loop over keys).
+    /// In a loop over `keys`, at `keys[i]`: starts loading the slot of the key `PREFETCH_AHEAD`
+    /// places further on, for its lookup, insert or removal then.
     #[inline]
-    pub fn prefetch(&self, k: u64) {
+    pub fn prefetch_ahead(&self, keys: &[u64], i: usize) {
+        if let Some(&ahead) = keys.get(i + PREFETCH_AHEAD) {
+            self.prefetch(ahead);
+        }
+    }
+
+    /// Starts loading the cache line of `k`'s home slot.
+    #[inline]
+    fn prefetch(&self, k: u64) {
         if self.slots.len() < PREFETCH_FROM_SLOTS {
             return; // within the caches: the prefetch's own work would be all it changes
         }
