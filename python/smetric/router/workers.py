@@ -9,18 +9,9 @@ from typing import Any, ClassVar
 
 from smetric.cluster import WorkerView
 
-_VIEW_FIELDS = frozenset(
-    (
-        "url",
-        "in_flight",
-        "queued_prefill_tokens",
-        "running_decode_tokens",
-        "polled_running",
-        "polled_waiting",
-        "token_usage",
-    )
-)
-"""The fields a ``WorkerView`` shows: setting one drops the cached view."""
+_VIEW_FIELDS = frozenset(WorkerView._fields) - {"local_hit_blocks"}
+"""The worker's fields a ``WorkerView`` shows (all but the request's hit): setting one drops
+the cached view."""
 _ROTATION_FIELDS = frozenset(("role", "healthy", "removed", "opened_at"))
 """The fields that decide whether a worker is eligible: setting one counts a rotation change."""
 _new_tuple = tuple.__new__
