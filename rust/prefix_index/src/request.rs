@@ -208,14 +208,62 @@ fn chunk_stops(chunk: &[u8; CHUNK]) -> (u32, u32) {
     (lo | hi << LANE, lo_high | hi_high)
 }
 
+/// `chunk_stops` in one AVX2 register, for CPUs that have it (most x86_64 CPUs since 2013). A
+/// 128 KB chat body without escapes was viewed in 9.5 against 12.2 µs at best (`keying_pieces`,
+/// six alternating runs of each build; the median of their best: 10.1 against 20.2 µs).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+fn chunk_stops_wide(chunk: &[u8; CHUNK]) -> (u32, u32) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_cmpeq_epi8, _mm256_loadu_si256, _mm256_max_epu8, _mm256_movemask_epi8,
+        _mm256_or_si256, _mm256_set1_epi8,
+    };
+    // SAFETY: an unaligned load of the chunk's 32 bytes, all of which it has.
+    let v = unsafe { _mm256_loadu_si256(chunk.as_ptr().cast::<__m256i>()) };
+    let quote = _mm256_cmpeq_epi8(v, _mm256_set1_epi8(b'"' as i8));
+    let backslash = _mm256_cmpeq_epi8(v, _mm256_set1_epi8(b'\\' as i8));
+    let low = _mm256_set1_epi8(0x1f);
+    let control = _mm256_cmpeq_epi8(_mm256_max_epu8(v, low), low); // v <= 0x1f, unsigned
+    let stops = _mm256_or_si256(_mm256_or_si256(quote, backslash), control);
+    (
+        _mm256_movemask_epi8(stops) as u32,
+        _mm256_movemask_epi8(v) as u32,
+    )
+}
+
+/// `chunk_stops`, in one AVX2 register where `WIDE`. Code with `WIDE` runs only where the CPU
+/// has AVX2, inlined into a function compiled for it (`Parser::string_wide`).
+#[inline(always)]
+fn stops<const WIDE: bool>(chunk: &[u8; CHUNK]) -> (u32, u32) {
+    #[cfg(target_arch = "x86_64")]
+    if WIDE {
+        // SAFETY: `WIDE` code runs only on a CPU with AVX2 (see `Parser::string`).
+        return unsafe { chunk_stops_wide(chunk) };
+    }
+    chunk_stops(chunk)
+}
+
+/// Whether strings are scanned with AVX2: where the CPU has it.
+fn wide_lanes() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// Where the run of string bytes from `pos` ends: at the first `"`, `\` or control character,
 /// or at the body's end. `high` is made non-zero if the run has a byte beyond ASCII (and may be
 /// by one just past it, in the same chunk: harmless, as it only decides whether the string is
 /// checked to be UTF-8).
-#[inline]
-fn clean_run(bytes: &[u8], mut pos: usize, high: &mut u32) -> usize {
+#[inline(always)]
+fn clean_run<const WIDE: bool>(bytes: &[u8], mut pos: usize, high: &mut u32) -> usize {
     while let Some(chunk) = bytes.get(pos..pos + CHUNK) {
-        let (stops, chunk_high) = chunk_stops(chunk.try_into().expect("a whole chunk"));
+        let (stops, chunk_high) = stops::<WIDE>(chunk.try_into().expect("a whole chunk"));
         *high |= chunk_high;
         if stops != 0 {
             return pos + stops.trailing_zeros() as usize;
@@ -248,6 +296,8 @@ struct Parser<'a> {
     /// (what a previous body left there, or zeros).
     text: &'a mut Vec<u8>,
     filled: usize,
+    /// Scan strings with AVX2 (`wide_lanes`).
+    wide: bool,
 }
 
 impl<'a> Parser<'a> {
@@ -342,15 +392,32 @@ impl<'a> Parser<'a> {
     /// `text`. Strings are the only place JSON allows bytes beyond ASCII; a string that has any
     /// is checked to be UTF-8.
     fn string(&mut self) -> Option<Span> {
+        #[cfg(target_arch = "x86_64")]
+        if self.wide {
+            // SAFETY: `wide` is set only where the CPU has AVX2 (`wide_lanes`).
+            return unsafe { self.string_wide() };
+        }
+        self.string_with::<false>()
+    }
+
+    /// `string`, compiled for AVX2 (with the scans inlined into it).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    fn string_wide(&mut self) -> Option<Span> {
+        self.string_with::<true>()
+    }
+
+    #[inline(always)]
+    fn string_with<const WIDE: bool>(&mut self) -> Option<Span> {
         let bytes = self.bytes;
         let raw_start = self.pos;
         let mut high = 0;
-        let mut pos = clean_run(bytes, raw_start, &mut high);
+        let mut pos = clean_run::<WIDE>(bytes, raw_start, &mut high);
         let decoded = match *bytes.get(pos)? {
             b'"' => None,
             b'\\' => {
                 let start = self.filled;
-                pos = self.decode(raw_start, pos, &mut high)?;
+                pos = self.decode::<WIDE>(raw_start, pos, &mut high)?;
                 Some(start)
             }
             _ => return None, // a control character
@@ -382,7 +449,13 @@ impl<'a> Parser<'a> {
     /// chunk where the decoded text goes on: the next store overwrites what lies past the run.
     /// `text` is grown once per body so that such a store always fits (decoded text is never
     /// longer than what it decodes). The body's last two chunks are decoded a run at a time.
-    fn decode(&mut self, raw_start: usize, pos: usize, high: &mut u32) -> Option<usize> {
+    #[inline(always)]
+    fn decode<const WIDE: bool>(
+        &mut self,
+        raw_start: usize,
+        pos: usize,
+        high: &mut u32,
+    ) -> Option<usize> {
         let bytes = self.bytes;
         let room = self.filled + (bytes.len() - raw_start) + CHUNK;
         if self.text.len() < room {
@@ -400,9 +473,11 @@ impl<'a> Parser<'a> {
         let mut base = pos;
         let mut done = 0;
         while let Some(window) = bytes.get(base..base + 2 * CHUNK) {
-            let (stops, chunk_high) = chunk_stops(window[..CHUNK].try_into().expect("a chunk"));
+            let (stops, chunk_high) = stops::<WIDE>(window[..CHUNK].try_into().expect("a chunk"));
             *high |= chunk_high;
-            let mut stops = stops & (!0u32).checked_shl(done as u32).unwrap_or(0);
+            // (In 64 bits, as `done` may lie past the chunk: up to 43, after a pair of `\u`
+            // escapes begun at its end.)
+            let mut stops = u64::from(stops) & (!0u64 << done);
             while stops != 0 {
                 let stop = stops.trailing_zeros() as usize;
                 text[out..out + CHUNK].copy_from_slice(&window[done..done + CHUNK]);
@@ -416,7 +491,7 @@ impl<'a> Parser<'a> {
                     _ => return None, // a control character
                 }
                 done -= base;
-                stops &= (!0u32).checked_shl(done as u32).unwrap_or(0);
+                stops &= !0u64 << done;
             }
             if done < CHUNK {
                 text[out..out + CHUNK].copy_from_slice(&window[done..done + CHUNK]);
@@ -429,7 +504,7 @@ impl<'a> Parser<'a> {
         // The body's last bytes, a run at a time.
         let mut pos = base + done;
         loop {
-            let end = clean_run(bytes, pos, high);
+            let end = clean_run::<WIDE>(bytes, pos, high);
             text[out..out + (end - pos)].copy_from_slice(&bytes[pos..end]);
             out += end - pos;
             match *bytes.get(end)? {
@@ -482,22 +557,34 @@ impl<'a> Parser<'a> {
     }
 }
 
+/// What each byte after a backslash decodes to, for the one-letter escapes; 0 for `u` (decoded
+/// apart) and for every byte JSON allows no escape of.
+const UNESCAPE: [u8; 256] = {
+    let mut t = [0u8; 256];
+    t[b'n' as usize] = b'\n';
+    t[b'"' as usize] = b'"';
+    t[b'\\' as usize] = b'\\';
+    t[b't' as usize] = b'\t';
+    t[b'r' as usize] = b'\r';
+    t[b'/' as usize] = b'/';
+    t[b'b' as usize] = 0x08;
+    t[b'f' as usize] = 0x0c;
+    t
+};
+
 /// Decodes the escape at `pos` (its backslash) into `text[out..]`; returns where it ends in
 /// `bytes` and in `text`.
 #[inline(always)]
 fn escape(bytes: &[u8], pos: usize, text: &mut [u8], out: usize) -> Option<(usize, usize)> {
-    text[out] = match *bytes.get(pos + 1)? {
-        b'n' => b'\n',
-        b'"' => b'"',
-        b'\\' => b'\\',
-        b't' => b'\t',
-        b'r' => b'\r',
-        b'/' => b'/',
-        b'b' => 0x08,
-        b'f' => 0x0c,
-        b'u' => return unicode_escape(bytes, pos, text, out),
-        _ => return None,
-    };
+    let letter = *bytes.get(pos + 1)?;
+    let decoded = UNESCAPE[usize::from(letter)];
+    if decoded == 0 {
+        return match letter {
+            b'u' => unicode_escape(bytes, pos, text, out),
+            _ => None,
+        };
+    }
+    text[out] = decoded;
     Some((pos + 2, out + 1))
 }
 
@@ -530,13 +617,15 @@ fn unicode_escape(bytes: &[u8], pos: usize, text: &mut [u8], out: usize) -> Opti
     Some((end, out + len))
 }
 
-/// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep).
-fn parse<'a>(body: &'a [u8], decoded: &'a mut Vec<u8>) -> Option<Doc<'a>> {
+/// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep). `wide`:
+/// scan with AVX2, which the CPU must have (`wide_lanes`).
+fn parse<'a>(body: &'a [u8], decoded: &'a mut Vec<u8>, wide: bool) -> Option<Doc<'a>> {
     let mut p = Parser {
         bytes: body,
         pos: 0,
         text: decoded,
         filled: 0,
+        wide,
     };
     let root = p.value(0)?;
     p.skip_ws();
@@ -828,8 +917,18 @@ fn completions(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
 /// What the reference would make of `body` for `api`, or `None` where the reference must decide
 /// (including every body it rejects).
 pub fn view_body<'a>(api: Api, body: &'a [u8], scratch: &'a mut Scratch) -> Option<BodyView<'a>> {
+    view_body_lanes(api, body, scratch, true)
+}
+
+/// `view_body`, its strings scanned with AVX2 where `wide` and the CPU has it, else not.
+fn view_body_lanes<'a>(
+    api: Api,
+    body: &'a [u8],
+    scratch: &'a mut Scratch,
+    wide: bool,
+) -> Option<BodyView<'a>> {
     let Scratch { decoded, text } = scratch;
-    let doc = parse(body, decoded)?;
+    let doc = parse(body, decoded, wide && wide_lanes())?;
     if !matches!(doc.root, Value::Object(_)) {
         return None;
     }
@@ -885,9 +984,24 @@ mod tests {
 
     use super::*;
 
-    /// `view_body` with a scratch of its own (kept, so that the view may outlive the call).
+    /// Both string scans this CPU has: AVX2 where it has it, and SSE2 (or the portable loop).
+    fn lanes() -> Vec<bool> {
+        if wide_lanes() {
+            vec![true, false]
+        } else {
+            vec![false]
+        }
+    }
+
+    /// `view_body` with a scratch of its own (kept, so that the view may outlive the call);
+    /// the view of each scan `lanes` has, checked to be the same.
     fn view_body(api: Api, body: &[u8]) -> Option<BodyView<'_>> {
-        super::view_body(api, body, Box::leak(Box::default()))
+        let views: Vec<_> = lanes()
+            .into_iter()
+            .map(|wide| view_body_lanes(api, body, Box::leak(Box::default()), wide))
+            .collect();
+        assert!(views.iter().all(|v| *v == views[0]), "the scans disagree");
+        views.into_iter().next().expect("a scan")
     }
 
     fn text(api: Api, body: &str) -> Vec<u8> {
@@ -1134,16 +1248,20 @@ mod tests {
                 encode(&prompt),
                 " ".repeat(pad)
             );
-            let mut scratch = Scratch::default();
             let long = format!(r#"{{"prompt":"{}"}}"#, "\\n\\u00e9ab".repeat(200));
-            assert!(super::view_body(Api::Completions, long.as_bytes(), &mut scratch).is_some());
-            let view = super::view_body(Api::Completions, body.as_bytes(), &mut scratch);
-            proptest::prop_assert_eq!(
-                view.map(|v| v.prompt),
-                Some(Prompt::Text(text.as_bytes())),
-                "{}",
-                body
-            );
+            for wide in lanes() {
+                let mut scratch = Scratch::default();
+                let used = view_body_lanes(Api::Completions, long.as_bytes(), &mut scratch, wide);
+                assert!(used.is_some());
+                let view = view_body_lanes(Api::Completions, body.as_bytes(), &mut scratch, wide);
+                proptest::prop_assert_eq!(
+                    view.map(|v| v.prompt),
+                    Some(Prompt::Text(text.as_bytes())),
+                    "{} (wide: {})",
+                    body,
+                    wide
+                );
+            }
         }
     }
 
@@ -1165,6 +1283,31 @@ mod tests {
     }
 
     #[test]
+    fn a_raw_control_character_anywhere_in_a_string_is_left_to_the_reference() {
+        // JSON allows none in a string; each scan must stop at it, wherever it is in a chunk,
+        // before the string's first escape and after it.
+        for control in [0x00, 0x0a, 0x1f] {
+            for escaped in [false, true] {
+                for at in 0..100 {
+                    let mut content = vec![b'x'; 100];
+                    if escaped {
+                        content.splice(0..2, *b"\\n");
+                    }
+                    content[at.max(2 * usize::from(escaped))] = control;
+                    let mut body = br#"{"max_tokens":1,"prompt":""#.to_vec();
+                    body.extend_from_slice(&content);
+                    body.extend_from_slice(br#"","stream":false}"#);
+                    assert_eq!(
+                        view_body(Api::Completions, &body),
+                        None,
+                        "{control} at {at}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn a_body_cut_anywhere_is_left_to_the_reference() {
         // Escapes of every kind near every possible end, in long strings: no cut may panic, and
         // no cut body is JSON.
@@ -1173,13 +1316,15 @@ mod tests {
             r#"{{"messages":[{{"role":"user","content":"{content}"}},{{"role":"tool","content":"{content}","tool_call_id":"t\u0031"}}],"max_tokens":3}}"#
         );
         assert!(view_body(Api::Chat, body.as_bytes()).is_some());
-        let mut scratch = Scratch::default();
-        for cut in 0..body.len() {
-            assert_eq!(
-                super::view_body(Api::Chat, &body.as_bytes()[..cut], &mut scratch),
-                None,
-                "cut at {cut}"
-            );
+        for wide in lanes() {
+            let mut scratch = Scratch::default();
+            for cut in 0..body.len() {
+                assert_eq!(
+                    view_body_lanes(Api::Chat, &body.as_bytes()[..cut], &mut scratch, wide),
+                    None,
+                    "cut at {cut} (wide: {wide})"
+                );
+            }
         }
     }
 }
