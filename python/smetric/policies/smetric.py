@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from smetric.cluster import ClusterView, Decision, WorkerView
 from smetric.perf import DEFAULT_PROFILE, Profile, load_profile
@@ -44,6 +45,8 @@ from smetric.request import RequestView
 from smetric.slo import SLOConfig, SLOModel
 
 FOLLOW_UP_HIT_FRACTION = 0.5
+
+_HIT = attrgetter("local_hit_blocks")
 
 
 @dataclass(frozen=True)
@@ -124,8 +127,8 @@ class SMetric:
 
     def _select(self, req: RequestView, cluster: ClusterView) -> Decision:
         ws = cluster.workers
-        hits = [w.local_hit_blocks for w in ws]
-        best = max(range(len(ws)), key=lambda i: hits[i])
+        hits = list(map(_HIT, ws))
+        best = hits.index(max(hits))  # the first of the best (C loops: this runs per request)
         shared = min(hits)
         session_blocks = hits[best] - shared
 

@@ -729,8 +729,17 @@ class Router:
         match = self.index.match(view.key.keys, touch=False)
         blocks = match.blocks
         now, rate = time.monotonic(), self._prefill_tokens_per_s
+        views = []
+        for w in workers:
+            hit = blocks[w.index_slot]
+            # ``Worker.view``'s kept view where it holds as it is (same hit, no queued prefill
+            # to age), without the call: this loop runs over every worker on every request.
+            v = w.__dict__["_view"]
+            if v is None or v[7] != hit or (v[2] and rate):
+                v = w.view(hit, now, rate)
+            views.append(v)
         return ClusterView(
-            tuple([w.view(blocks[w.index_slot], now, rate) for w in workers]),
+            tuple(views),
             match.global_blocks,
             len(view.key.keys),
             view.key.block_tokens,
