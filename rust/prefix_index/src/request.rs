@@ -645,7 +645,13 @@ fn parse<'a>(body: &'a [u8], decoded: &'a mut Vec<u8>, wide: bool) -> Option<Doc
 fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     out.push(b'"');
     let mut run = 0;
-    for (i, &b) in s.iter().enumerate() {
+    loop {
+        // The bytes to escape are the ones a string scan stops at: runs between them are
+        // found a chunk at a time and copied whole (tools' schemas have long descriptions).
+        let stop = clean_run::<false>(s, run, &mut 0);
+        copy::append(out, &s[run..stop]);
+        let Some(&b) = s.get(stop) else { break };
+        run = stop + 1;
         let short = match b {
             b'"' => b'"',
             b'\\' => b'\\',
@@ -654,11 +660,8 @@ fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
             b'\t' => b't',
             0x08 => b'b',
             0x0c => b'f',
-            0..=0x1f => 0,
-            _ => continue,
+            _ => 0,
         };
-        copy::append(out, &s[run..i]);
-        run = i + 1;
         if short == 0 {
             const HEX: &[u8; 16] = b"0123456789abcdef";
             out.extend_from_slice(b"\\u00");
@@ -669,7 +672,6 @@ fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
             out.push(short);
         }
     }
-    copy::append(out, &s[run..]);
     out.push(b'"');
 }
 
@@ -1262,6 +1264,36 @@ mod tests {
                     wide
                 );
             }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(1000))]
+
+        /// A string is written as orjson writes it, a character at a time: the short escapes
+        /// where JSON has them, `\u00xx` for other control characters, everything else as it is.
+        #[test]
+        fn strings_are_written_as_orjson_writes_them(s in chars()) {
+            let s: String = s.iter().map(|&(c, _)| c).collect();
+            let mut expected = String::from("\"");
+            for c in s.chars() {
+                match c {
+                    '"' => expected.push_str("\\\""),
+                    '\\' => expected.push_str("\\\\"),
+                    '\n' => expected.push_str("\\n"),
+                    '\r' => expected.push_str("\\r"),
+                    '\t' => expected.push_str("\\t"),
+                    '\u{8}' => expected.push_str("\\b"),
+                    '\u{c}' => expected.push_str("\\f"),
+                    c if c < ' ' => expected.push_str(&format!("\\u{:04x}", c as u32)),
+                    c => expected.push(c),
+                }
+            }
+            expected.push('"');
+            let mut out = b"before".to_vec();
+            write_json_str(&mut out, s.as_bytes());
+            proptest::prop_assert_eq!(&out[..6], b"before");
+            proptest::prop_assert_eq!(String::from_utf8(out[6..].to_vec()).unwrap(), expected);
         }
     }
 
