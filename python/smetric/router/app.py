@@ -734,7 +734,7 @@ class Router:
             hit = blocks[w.index_slot]
             # ``Worker.view``'s kept view where it holds as it is (same hit, no queued prefill
             # to age), without the call: this loop runs over every worker on every request.
-            v = w.__dict__["_view"]
+            v = w._view
             if v is None or v[7] != hit or (v[2] and rate):
                 v = w.view(hit, now, rate)
             views.append(v)
