@@ -52,11 +52,13 @@ pub struct BodyView<'a> {
 /// Kept from one body to the next, so that keying a long prompt does not take fresh memory each
 /// time: glibc may give an allocation of 128 KB or more pages of its own, which then fault in on
 /// every request (in one allocation pattern measured here, 126 KB chat bodies took 135-173 µs
-/// to view, and 43-52 µs with the buffers kept).
+/// to view, and 43-52 µs with the buffers kept). The parsed value tree lives here too, so that
+/// parsing a body allocates nothing once the buffers have grown to its size.
 #[derive(Debug, Default)]
 pub struct Scratch {
     decoded: Vec<u8>,
     text: Vec<u8>,
+    tree: Tree,
 }
 
 impl Scratch {
@@ -68,6 +70,43 @@ impl Scratch {
                 buf.shrink_to(max);
             }
         }
+        self.tree.trim(max);
+    }
+}
+
+/// A body's arrays and objects: their items and members, each container's back to back
+/// (`Value::Array` and `Value::Object` name their range), and the stacks they are parsed on.
+/// A container's elements are parsed onto a stack (a nested container's own elements come and
+/// go above them meanwhile) and moved here in one piece when it closes.
+#[derive(Debug, Default)]
+struct Tree {
+    items: Vec<Value>,
+    members: Vec<(Span, Value)>,
+    item_stack: Vec<Value>,
+    member_stack: Vec<(Span, Value)>,
+}
+
+impl Tree {
+    fn clear(&mut self) {
+        self.items.clear();
+        self.members.clear();
+        self.item_stack.clear();
+        self.member_stack.clear();
+    }
+
+    /// Shrinks what holds more than `max` bytes' worth back to that.
+    fn trim(&mut self, max: usize) {
+        fn shrink<T>(v: &mut Vec<T>, max: usize) {
+            let max = max / std::mem::size_of::<T>();
+            if v.capacity() > max {
+                v.clear();
+                v.shrink_to(max);
+            }
+        }
+        shrink(&mut self.items, max);
+        shrink(&mut self.members, max);
+        shrink(&mut self.item_stack, max);
+        shrink(&mut self.member_stack, max);
     }
 }
 
@@ -75,43 +114,93 @@ impl Scratch {
 const MAX_DEPTH: usize = 128;
 
 /// A string's decoded bytes: a range of the body (for a string without escapes, which is its
-/// own decoding) or of `Doc::text`.
+/// own decoding) or of `Doc::text`; also a number's literal. Packed in one word (start, end,
+/// and whether it is decoded in the top bit; a body of 2 GiB or more is left to the reference):
+/// with three fields, the values holding it were written and read back in pieces of different
+/// sizes, and viewing a real agent turn's body (tau-bench, 42 KB) took 63.1 against 53.7 µs at
+/// best (`keying_pieces`, six alternating runs).
 #[derive(Clone, Copy, Debug)]
-struct Span {
-    start: usize,
-    end: usize,
-    decoded: bool,
+struct Span(u64);
+
+impl Span {
+    const DECODED: u64 = 1 << 63;
+
+    fn new(range: std::ops::Range<usize>, decoded: bool) -> Span {
+        Span(range.start as u64 | (range.end as u64) << 32 | u64::from(decoded) << 63)
+    }
+
+    fn range(self) -> std::ops::Range<usize> {
+        (self.0 as u32) as usize..((self.0 >> 32) as u32 & !(1 << 31)) as usize
+    }
+
+    fn decoded(self) -> bool {
+        self.0 & Self::DECODED != 0
+    }
+
+    fn is_empty(self) -> bool {
+        self.range().is_empty()
+    }
 }
 
-#[derive(Debug)]
-enum Value<'a> {
+/// A range of `Tree::items` or `Tree::members`.
+#[derive(Clone, Copy, Debug)]
+struct Elements {
+    start: u32,
+    end: u32,
+}
+
+impl Elements {
+    fn range(self) -> std::ops::Range<usize> {
+        self.start as usize..self.end as usize
+    }
+
+    fn is_empty(self) -> bool {
+        self.end == self.start
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Value {
     Null,
     Bool(bool),
-    /// The literal, validated against JSON's number grammar.
-    Number(&'a [u8]),
+    /// The literal (a range of the body), validated against JSON's number grammar.
+    Number(Span),
     Str(Span),
-    Array(Vec<Value<'a>>),
-    /// Members in body order, duplicates kept (lookups take the last, as a parsed dict does).
-    Object(Vec<(Span, Value<'a>)>),
+    /// Its items, in `Doc::items`.
+    Array(Elements),
+    /// Its members in body order, in `Doc::members`, duplicates kept (lookups take the last, as
+    /// a parsed dict does).
+    Object(Elements),
 }
 
 /// A parsed body: its value tree, the body, and the decoded text of its strings with escapes.
 struct Doc<'a> {
-    root: Value<'a>,
+    root: Value,
     body: &'a [u8],
     text: &'a [u8],
+    items: &'a [Value],
+    members: &'a [(Span, Value)],
 }
 
 impl<'a> Doc<'a> {
     fn str(&self, s: Span) -> &'a [u8] {
-        let from = if s.decoded { self.text } else { self.body };
-        &from[s.start..s.end]
+        let from = if s.decoded() { self.text } else { self.body };
+        &from[s.range()]
+    }
+
+    fn items(&self, e: Elements) -> &'a [Value] {
+        &self.items[e.range()]
+    }
+
+    fn members(&self, e: Elements) -> &'a [(Span, Value)] {
+        &self.members[e.range()]
     }
 
     /// The member of `object` named `key` (the last one, as in a dict parsed from the body).
-    fn get<'v>(&self, object: &'v Value<'a>, key: &[u8]) -> Option<&'v Value<'a>> {
-        match object {
-            Value::Object(members) => members
+    fn get(&self, object: &Value, key: &[u8]) -> Option<&'a Value> {
+        match *object {
+            Value::Object(members) => self
+                .members(members)
                 .iter()
                 .rev()
                 .find(|(k, _)| self.str(*k) == key)
@@ -121,12 +210,31 @@ impl<'a> Doc<'a> {
     }
 
     /// `get`, with a JSON null read as absent (Python's `d.get(k) is None`).
-    fn get_some<'v>(&self, object: &'v Value<'a>, key: &[u8]) -> Option<&'v Value<'a>> {
+    fn get_some(&self, object: &Value, key: &[u8]) -> Option<&'a Value> {
         self.get(object, key).filter(|v| !matches!(v, Value::Null))
     }
 
-    fn is_str(&self, v: &Value<'a>, s: &[u8]) -> bool {
-        matches!(v, Value::Str(span) if self.str(*span) == s)
+    fn is_str(&self, v: &Value, s: &[u8]) -> bool {
+        matches!(*v, Value::Str(span) if self.str(span) == s)
+    }
+
+    /// Python's `bool(value)` for a parsed JSON value; `None` where a float decides.
+    fn truthy(&self, v: &Value) -> Option<bool> {
+        Some(match *v {
+            Value::Null => false,
+            Value::Bool(b) => b,
+            // An integer literal of any size (the reference may see a float beyond 64 bits).
+            Value::Number(lit) => {
+                let lit = self.str(lit);
+                if lit.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+                    return None;
+                }
+                lit.iter().any(|b| matches!(b, b'1'..=b'9'))
+            }
+            Value::Str(s) => !s.is_empty(),
+            Value::Array(items) => !items.is_empty(),
+            Value::Object(members) => !members.is_empty(),
+        })
     }
 }
 
@@ -140,24 +248,6 @@ fn int_literal(lit: &[u8]) -> Option<i128> {
     (i64::MIN as i128..=u64::MAX as i128)
         .contains(&v)
         .then_some(v)
-}
-
-/// Python's `bool(value)` for a parsed JSON value; `None` where a float decides.
-fn truthy(v: &Value<'_>) -> Option<bool> {
-    Some(match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        // An integer literal of any size (the reference may see a float beyond 64 bits).
-        Value::Number(lit) => {
-            if lit.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
-                return None;
-            }
-            lit.iter().any(|b| matches!(b, b'1'..=b'9'))
-        }
-        Value::Str(s) => s.end > s.start,
-        Value::Array(items) => !items.is_empty(),
-        Value::Object(members) => !members.is_empty(),
-    })
 }
 
 // ---- parsing -----------------------------------------------------------------------------
@@ -296,6 +386,7 @@ struct Parser<'a> {
     /// (what a previous body left there, or zeros).
     text: &'a mut Vec<u8>,
     filled: usize,
+    tree: &'a mut Tree,
     /// Scan strings with AVX2 (`wide_lanes`).
     wide: bool,
 }
@@ -316,7 +407,7 @@ impl<'a> Parser<'a> {
         (self.bytes.get(self.pos..end)? == word).then(|| self.pos = end)
     }
 
-    fn value(&mut self, depth: usize) -> Option<Value<'a>> {
+    fn value(&mut self, depth: usize) -> Option<Value> {
         if depth > MAX_DEPTH {
             return None;
         }
@@ -324,11 +415,11 @@ impl<'a> Parser<'a> {
         match self.peek()? {
             b'{' => {
                 self.pos += 1;
-                let mut members = Vec::new();
+                let base = self.tree.member_stack.len();
                 self.skip_ws();
                 if self.peek()? == b'}' {
                     self.pos += 1;
-                    return Some(Value::Object(members));
+                    return Some(Value::Object(Elements { start: 0, end: 0 }));
                 }
                 loop {
                     self.skip_ws();
@@ -343,13 +434,17 @@ impl<'a> Parser<'a> {
                     }
                     self.pos += 1;
                     let v = self.value(depth + 1)?;
-                    members.push((key, v));
+                    self.tree.member_stack.push((key, v));
                     self.skip_ws();
                     match self.peek()? {
                         b',' => self.pos += 1,
                         b'}' => {
                             self.pos += 1;
-                            return Some(Value::Object(members));
+                            let tree = &mut *self.tree;
+                            let start = tree.members.len() as u32;
+                            tree.members.extend(tree.member_stack.drain(base..));
+                            let end = tree.members.len() as u32;
+                            return Some(Value::Object(Elements { start, end }));
                         }
                         _ => return None,
                     }
@@ -357,20 +452,25 @@ impl<'a> Parser<'a> {
             }
             b'[' => {
                 self.pos += 1;
-                let mut items = Vec::new();
+                let base = self.tree.item_stack.len();
                 self.skip_ws();
                 if self.peek()? == b']' {
                     self.pos += 1;
-                    return Some(Value::Array(items));
+                    return Some(Value::Array(Elements { start: 0, end: 0 }));
                 }
                 loop {
-                    items.push(self.value(depth + 1)?);
+                    let v = self.value(depth + 1)?;
+                    self.tree.item_stack.push(v);
                     self.skip_ws();
                     match self.peek()? {
                         b',' => self.pos += 1,
                         b']' => {
                             self.pos += 1;
-                            return Some(Value::Array(items));
+                            let tree = &mut *self.tree;
+                            let start = tree.items.len() as u32;
+                            tree.items.extend(tree.item_stack.drain(base..));
+                            let end = tree.items.len() as u32;
+                            return Some(Value::Array(Elements { start, end }));
                         }
                         _ => return None,
                     }
@@ -427,16 +527,8 @@ impl<'a> Parser<'a> {
         }
         self.pos = pos + 1;
         Some(match decoded {
-            Some(start) => Span {
-                start,
-                end: self.filled,
-                decoded: true,
-            },
-            None => Span {
-                start: raw_start,
-                end: pos,
-                decoded: false,
-            },
+            Some(start) => Span::new(start..self.filled, true),
+            None => Span::new(raw_start..pos, false),
         })
     }
 
@@ -526,7 +618,8 @@ impl<'a> Parser<'a> {
         self.pos - start
     }
 
-    fn number(&mut self) -> Option<&'a [u8]> {
+    /// Reads a number; its literal's span of the body.
+    fn number(&mut self) -> Option<Span> {
         let start = self.pos;
         if self.peek() == Some(b'-') {
             self.pos += 1;
@@ -553,7 +646,7 @@ impl<'a> Parser<'a> {
                 return None;
             }
         }
-        Some(&self.bytes[start..self.pos])
+        Some(Span::new(start..self.pos, false))
     }
 }
 
@@ -619,22 +712,35 @@ fn unicode_escape(bytes: &[u8], pos: usize, text: &mut [u8], out: usize) -> Opti
 
 /// Parses a whole body; `None` if it is not strict JSON in UTF-8 (or nests too deep). `wide`:
 /// scan with AVX2, which the CPU must have (`wide_lanes`).
-fn parse<'a>(body: &'a [u8], decoded: &'a mut Vec<u8>, wide: bool) -> Option<Doc<'a>> {
+fn parse<'a>(
+    body: &'a [u8],
+    decoded: &'a mut Vec<u8>,
+    tree: &'a mut Tree,
+    wide: bool,
+) -> Option<Doc<'a>> {
+    if body.len() >= 1 << 31 {
+        return None; // beyond `Span`'s offsets
+    }
+    tree.clear();
     let mut p = Parser {
         bytes: body,
         pos: 0,
         text: decoded,
         filled: 0,
+        tree,
         wide,
     };
     let root = p.value(0)?;
     p.skip_ws();
     let end = p.pos;
-    let text: &'a Vec<u8> = p.text;
+    let (text, filled): (&'a Vec<u8>, usize) = (p.text, p.filled);
+    let tree: &'a Tree = p.tree;
     (end == body.len()).then_some(Doc {
         root,
         body,
-        text: &text[..p.filled],
+        text: &text[..filled],
+        items: &tree.items,
+        members: &tree.members,
     })
 }
 
@@ -675,45 +781,76 @@ fn write_json_str(out: &mut Vec<u8>, s: &[u8]) {
     out.push(b'"');
 }
 
+/// Appends a string of the body as orjson writes it. One without escapes in the body is written
+/// as it is there: it has no byte that orjson escapes (a string scan stops at each of them, and
+/// JSON allows them only escaped).
+fn write_str(doc: &Doc<'_>, out: &mut Vec<u8>, s: Span) {
+    if s.decoded() {
+        write_json_str(out, doc.str(s));
+    } else {
+        out.push(b'"');
+        copy::append(out, doc.str(s));
+        out.push(b'"');
+    }
+}
+
 /// Appends `v` as `orjson.dumps(v, option=OPT_SORT_KEYS)` writes the parsed value; `None` for a
 /// float (whose shortest-repr formatting is the reference's business) or an integer beyond
 /// 64 bits.
-fn write_compact(doc: &Doc<'_>, out: &mut Vec<u8>, v: &Value<'_>) -> Option<()> {
-    match v {
+fn write_compact(doc: &Doc<'_>, out: &mut Vec<u8>, order: &mut Vec<u32>, v: &Value) -> Option<()> {
+    match *v {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(true) => out.extend_from_slice(b"true"),
         Value::Bool(false) => out.extend_from_slice(b"false"),
-        Value::Number(lit) => out.extend_from_slice(int_literal(lit)?.to_string().as_bytes()),
-        Value::Str(s) => write_json_str(out, doc.str(*s)),
+        Value::Number(lit) => {
+            let lit = doc.str(lit);
+            int_literal(lit)?; // an integer the reference reads as one
+                               // A JSON integer literal is the integer's shortest form but for a negative zero.
+            out.extend_from_slice(if lit == b"-0" { b"0" } else { lit });
+        }
+        Value::Str(s) => write_str(doc, out, s),
         Value::Array(items) => {
             out.push(b'[');
-            for (i, item) in items.iter().enumerate() {
+            for (i, item) in doc.items(items).iter().enumerate() {
                 if i > 0 {
                     out.push(b',');
                 }
-                write_compact(doc, out, item)?;
+                write_compact(doc, out, order, item)?;
             }
             out.push(b']');
         }
         Value::Object(members) => {
-            let mut sorted: Vec<&(Span, Value<'_>)> = members.iter().collect();
-            // Stable: among equal keys the last one stays last, and it is the dict's value.
-            // UTF-8 byte order is code point order, which is how the reference sorts.
-            sorted.sort_by(|a, b| doc.str(a.0).cmp(doc.str(b.0)));
+            // The members' order, sorted, on top of `order` (a nested object's goes above it
+            // meanwhile, and is gone again when it is written). Stable: among equal keys the
+            // last one stays last, and it is the dict's value. UTF-8 byte order is code point
+            // order, which is how the reference sorts.
+            let members = doc.members(members);
+            let base = order.len();
+            order.extend(0..members.len() as u32);
+            order[base..].sort_by(|&a, &b| {
+                doc.str(members[a as usize].0)
+                    .cmp(doc.str(members[b as usize].0))
+            });
             out.push(b'{');
             let mut first = true;
-            for (i, (key, value)) in sorted.iter().map(|m| (doc.str(m.0), &m.1)).enumerate() {
-                if sorted.get(i + 1).is_some_and(|next| doc.str(next.0) == key) {
+            for i in base..order.len() {
+                let (key, value) = &members[order[i] as usize];
+                let key = doc.str(*key);
+                if order
+                    .get(i + 1)
+                    .is_some_and(|&next| doc.str(members[next as usize].0) == key)
+                {
                     continue;
                 }
                 if !first {
                     out.push(b',');
                 }
                 first = false;
-                write_json_str(out, key);
+                write_str(doc, out, members[order[i] as usize].0);
                 out.push(b':');
-                write_compact(doc, out, value)?;
+                write_compact(doc, out, order, value)?;
             }
+            order.truncate(base);
             out.push(b'}');
         }
     }
@@ -724,23 +861,23 @@ fn write_compact(doc: &Doc<'_>, out: &mut Vec<u8>, v: &Value<'_>) -> Option<()> 
 
 /// A `max_tokens`-like limit: absent/null is `Some(None)`; a non-negative integer is the limit;
 /// anything else is the reference's (it rejects it).
-fn limit(v: Option<&Value<'_>>) -> Option<Option<u64>> {
+fn limit(doc: &Doc<'_>, v: Option<&Value>) -> Option<Option<u64>> {
     match v {
         None | Some(Value::Null) => Some(None),
-        Some(Value::Number(lit)) => Some(Some(u64::try_from(int_literal(lit)?).ok()?)),
+        Some(&Value::Number(lit)) => Some(Some(u64::try_from(int_literal(doc.str(lit))?).ok()?)),
         Some(_) => None,
     }
 }
 
 /// Token ids (ints in 0..2**32), from a non-empty list.
-fn token_list(items: &[Value<'_>]) -> Option<Vec<u32>> {
+fn token_list(doc: &Doc<'_>, items: &[Value]) -> Option<Vec<u32>> {
     if items.is_empty() {
         return None;
     }
     items
         .iter()
-        .map(|t| match t {
-            Value::Number(lit) => u32::try_from(int_literal(lit)?).ok(),
+        .map(|t| match *t {
+            Value::Number(lit) => u32::try_from(int_literal(doc.str(lit))?).ok(),
             _ => None,
         })
         .collect()
@@ -754,6 +891,8 @@ struct Serial<'a, 't> {
     text: &'t mut Vec<u8>,
     /// Where in `text` the run not yet in `pieces` starts.
     run: usize,
+    /// `write_compact`'s stack of members in key order.
+    order: Vec<u32>,
 }
 
 enum Piece<'a> {
@@ -780,19 +919,24 @@ impl<'a> Serial<'a, '_> {
             self.run = self.text.len();
         }
     }
+
+    /// Appends `v` as compact JSON (`write_compact`).
+    fn compact(&mut self, doc: &Doc<'_>, v: &Value) -> Option<()> {
+        write_compact(doc, self.text, &mut self.order, v)
+    }
 }
 
 /// Appends a message's content as the reference's `_content_text` renders it.
 fn content_text<'a>(
     doc: &Doc<'a>,
     out: &mut Serial<'a, '_>,
-    content: Option<&Value<'_>>,
+    content: Option<&Value>,
 ) -> Option<()> {
     match content {
         None | Some(Value::Null) => {}
-        Some(Value::Str(s)) => out.put(doc.str(*s)),
-        Some(Value::Array(parts)) => {
-            for part in parts {
+        Some(&Value::Str(s)) => out.put(doc.str(s)),
+        Some(&Value::Array(parts)) => {
+            for part in doc.items(parts) {
                 let text = match part {
                     Value::Object(_) => {
                         let kind = doc.get(part, b"type");
@@ -803,36 +947,37 @@ fn content_text<'a>(
                     }
                     other => other,
                 };
-                let Value::Str(s) = text else { return None };
-                out.put(doc.str(*s));
+                let &Value::Str(s) = text else { return None };
+                out.put(doc.str(s));
             }
         }
-        Some(other) => write_compact(doc, out.text, other)?,
+        Some(other) => out.compact(doc, other)?,
     }
     Some(())
 }
 
 /// Puts the chat serialization together in `out`; returns whether it is a first turn.
 fn chat<'a>(doc: &Doc<'a>, out: &mut Serial<'a, '_>) -> Option<bool> {
-    let Some(Value::Array(messages)) = doc.get(&doc.root, b"messages") else {
+    let Some(&Value::Array(messages)) = doc.get(&doc.root, b"messages") else {
         return None;
     };
+    let messages = doc.items(messages);
     if messages.is_empty() {
         return None;
     }
     let mut roles = Vec::with_capacity(messages.len());
     for m in messages {
-        let Some(Value::Str(role)) = doc.get(m, b"role") else {
+        let Some(&Value::Str(role)) = doc.get(m, b"role") else {
             return None;
         };
-        roles.push(doc.str(*role));
+        roles.push(doc.str(role));
     }
     match doc.get(&doc.root, b"tools") {
         None | Some(Value::Null) => {}
-        Some(tools @ Value::Array(items)) => {
+        Some(tools @ &Value::Array(items)) => {
             if !items.is_empty() {
                 out.text.extend_from_slice(b"<|tools|>");
-                write_compact(doc, out.text, tools)?;
+                out.compact(doc, tools)?;
                 out.text.push(b'\n');
             }
         }
@@ -844,17 +989,17 @@ fn chat<'a>(doc: &Doc<'a>, out: &mut Serial<'a, '_>) -> Option<bool> {
         out.text.extend_from_slice(b"|>");
         content_text(doc, out, doc.get(m, b"content"))?;
         if let Some(calls) = doc.get(m, b"tool_calls") {
-            if truthy(calls)? {
+            if doc.truthy(calls)? {
                 out.text.extend_from_slice(b"<|calls|>");
-                write_compact(doc, out.text, calls)?;
+                out.compact(doc, calls)?;
             }
         }
         match doc.get(m, b"tool_call_id") {
             None | Some(Value::Null | Value::Bool(false)) => {}
-            Some(Value::Str(id)) => {
-                if id.end > id.start {
+            Some(&Value::Str(id)) => {
+                if !id.is_empty() {
                     out.text.extend_from_slice(b"<|id|>");
-                    out.put(doc.str(*id));
+                    out.put(doc.str(id));
                 }
             }
             Some(_) => return None, // str() of anything else is the reference's
@@ -869,33 +1014,38 @@ fn generate(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
     let params = match doc.get(root, b"sampling_params") {
         Some(p @ Value::Object(_)) => Some(p),
         None => None,
-        Some(falsy) if !truthy(falsy)? => None, // `or {}`
+        Some(falsy) if !doc.truthy(falsy)? => None, // `or {}`
         Some(_) => return None,
     };
-    let max_new = limit(params.and_then(|p| doc.get(p, b"max_new_tokens")))?;
+    let max_new = limit(&doc, params.and_then(|p| doc.get(p, b"max_new_tokens")))?;
     let prompt = match (
         doc.get_some(root, b"text"),
         doc.get_some(root, b"input_ids"),
     ) {
         (Some(text), None) => {
-            let text = match text {
+            let text = match *text {
                 Value::Array(items)
-                    if !items.is_empty() && items.iter().all(|t| matches!(t, Value::Str(_))) =>
+                    if !items.is_empty()
+                        && doc.items(items).iter().all(|t| matches!(t, Value::Str(_))) =>
                 {
-                    &items[0]
+                    &doc.items(items)[0]
                 }
-                other => other,
+                _ => text,
             };
             let &Value::Str(s) = text else { return None };
             Prompt::Text(doc.str(s))
         }
         (None, Some(ids)) => {
-            let ids = match ids {
-                Value::Array(items) if matches!(items.first(), Some(Value::Array(_))) => &items[0],
-                other => other,
+            let ids = match *ids {
+                Value::Array(items)
+                    if matches!(doc.items(items).first(), Some(Value::Array(_))) =>
+                {
+                    &doc.items(items)[0]
+                }
+                _ => ids,
             };
-            let Value::Array(ids) = ids else { return None };
-            Prompt::Tokens(token_list(ids)?)
+            let &Value::Array(ids) = ids else { return None };
+            Prompt::Tokens(token_list(&doc, doc.items(ids))?)
         }
         _ => return None,
     };
@@ -903,14 +1053,17 @@ fn generate(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
 }
 
 fn completions(doc: Doc<'_>) -> Option<(Prompt<'_>, Option<u64>)> {
-    let max_new = limit(doc.get(&doc.root, b"max_tokens"))?;
-    let prompt = match doc.get(&doc.root, b"prompt")? {
-        &Value::Str(s) => Prompt::Text(doc.str(s)),
-        Value::Array(items) => match items.first()? {
-            &Value::Str(s) => Prompt::Text(doc.str(s)),
-            Value::Number(_) => Prompt::Tokens(token_list(items)?),
-            _ => return None,
-        },
+    let max_new = limit(&doc, doc.get(&doc.root, b"max_tokens"))?;
+    let prompt = match *doc.get(&doc.root, b"prompt")? {
+        Value::Str(s) => Prompt::Text(doc.str(s)),
+        Value::Array(items) => {
+            let items = doc.items(items);
+            match *items.first()? {
+                Value::Str(s) => Prompt::Text(doc.str(s)),
+                Value::Number(_) => Prompt::Tokens(token_list(&doc, items)?),
+                _ => return None,
+            }
+        }
         _ => return None,
     };
     Some((prompt, max_new))
@@ -929,14 +1082,18 @@ fn view_body_lanes<'a>(
     scratch: &'a mut Scratch,
     wide: bool,
 ) -> Option<BodyView<'a>> {
-    let Scratch { decoded, text } = scratch;
-    let doc = parse(body, decoded, wide && wide_lanes())?;
+    let Scratch {
+        decoded,
+        text,
+        tree,
+    } = scratch;
+    let doc = parse(body, decoded, tree, wide && wide_lanes())?;
     if !matches!(doc.root, Value::Object(_)) {
         return None;
     }
     let stream = match doc.get(&doc.root, b"stream") {
         None => false,
-        Some(s) => truthy(s)?,
+        Some(s) => doc.truthy(s)?,
     };
     let (prompt, max_new_tokens, is_first_turn) = match api {
         Api::Chat => {
@@ -945,6 +1102,7 @@ fn view_body_lanes<'a>(
                 pieces: Vec::new(),
                 text,
                 run: 0,
+                order: Vec::new(),
             };
             let first = chat(&doc, &mut serial)?;
             serial.close_run();
@@ -958,8 +1116,8 @@ fn view_body_lanes<'a>(
                 })
                 .collect();
             let max_new = match doc.get(&doc.root, b"max_completion_tokens") {
-                Some(value) => limit(Some(value))?,
-                None => limit(doc.get(&doc.root, b"max_tokens"))?,
+                Some(value) => limit(&doc, Some(value))?,
+                None => limit(&doc, doc.get(&doc.root, b"max_tokens"))?,
             };
             (Prompt::Pieces(pieces), max_new, Some(first))
         }
@@ -1044,6 +1202,19 @@ mod tests {
                        "tools":[{"d":"\u0001\b\u007f\u00e9"}]}"#;
         let expected = "<|tools|>[{\"d\":\"\\u0001\\b\u{7f}é\"}]\n<|user|>é😀/\t\n";
         assert_eq!(String::from_utf8(text(Api::Chat, body)).unwrap(), expected);
+    }
+
+    #[test]
+    fn tools_are_written_as_compact_json_with_sorted_keys() {
+        // Nested objects sorted at each level (the last of a repeated key kept), integers as
+        // Python writes them (`-0` is 0), strings with escapes written back in orjson's form.
+        let body = r#"{"messages":[{"role":"user","content":"q"}],
+            "tools":[{"z":{"b":-0,"a":[1,-2,{"y":1,"x":"\u0041\/"}]},"a":1,"a":2}]}"#;
+        let expected = r#"<|tools|>[{"a":2,"z":{"a":[1,-2,{"x":"A/","y":1}],"b":0}}]"#;
+        assert_eq!(
+            String::from_utf8(text(Api::Chat, body)).unwrap(),
+            format!("{expected}\n<|user|>q\n")
+        );
     }
 
     #[test]
