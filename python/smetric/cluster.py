@@ -13,8 +13,11 @@ from typing import NamedTuple
 class WorkerView(NamedTuple):
     """One worker as a policy sees it (a named tuple: built per worker per request, so cheap).
 
-    Hot code reads it by position (`least_loaded`, `lmetric`, `kv_cost`, `Worker.view`): its
-    fields keep this order (a test pins it)."""
+    Hot code builds it by position (`Worker.view`, with `tuple.__new__`: the named tuple's own
+    constructor is a Python function) and reads a few fields by position (`Router._snapshot`): its
+    fields keep this order (a test pins it). Policies read fields by name: unpacking a named
+    tuple is several times slower than reading its fields (only a plain tuple's has a fast
+    path)."""
 
     url: str
     in_flight: int = 0

@@ -39,10 +39,12 @@ def least_loaded(cluster: ClusterView, candidates: range | list[int] | None = No
     idx = range(len(w)) if candidates is None else candidates
     if not idx:
         raise ValueError("no worker to choose from")
-    # Over every worker, on many requests: a plain loop, WorkerView unpacked in field order.
+    # Over every worker, on many requests: a plain loop, fields read by name (unpacking a named
+    # tuple is several times slower: only a plain tuple's has a fast path).
     best, best_load, best_queued = -1, 0, 0
     for i in idx:
-        _, load, queued, _, _, _, _, _ = w[i]
+        v = w[i]
+        load, queued = v.in_flight, v.queued_prefill_tokens
         if best < 0 or load < best_load or (load == best_load and queued < best_queued):
             best, best_load, best_queued = i, load, queued
     return best

@@ -21,10 +21,17 @@ class LMetric:
         if not cluster.workers:
             raise ValueError("no worker to choose from")
         best, best_cost, best_load = 0, 0, 0
-        # Unpacked rather than read by name: WorkerView's fields, in order.
-        for i, (_, load, queued, _, _, _, _, blocks) in enumerate(cluster.workers):
-            hit = int(blocks * block_tokens)
-            cost = (queued + prompt - (hit if hit < prompt else prompt)) * (load + 1)
+        # Fields read by name (unpacking a named tuple is several times slower: only a plain
+        # tuple's has a fast path); the uncached part worked out once per hit, as most workers
+        # share a few (none, or a shared system prompt), and ``int`` of a float is not cheap.
+        uncached: dict[int, int] = {}
+        for i, w in enumerate(cluster.workers):
+            blocks, load = w.local_hit_blocks, w.in_flight
+            rest = uncached.get(blocks)
+            if rest is None:
+                hit = int(blocks * block_tokens)
+                rest = uncached[blocks] = prompt - (hit if hit < prompt else prompt)
+            cost = (w.queued_prefill_tokens + rest) * (load + 1)
             if i == 0 or cost < best_cost or (cost == best_cost and load < best_load):
                 best, best_cost, best_load = i, cost, load
         return Decision(best, "lmetric_cost")
