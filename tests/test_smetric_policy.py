@@ -193,6 +193,29 @@ def test_online_correction_follows_observations_bounded_and_decaying():
     assert slo.correction("b") == 1.0
 
 
+def test_batched_hit_blind_predictions_and_corrections_equal_the_per_instance_ones_exactly():
+    # SMetric's balancing costs every instance at once (``hit_blind_ttfts_s`` times each
+    # instance's correction from ``corrections``); that must be ``predict_ttft_s`` of each, to
+    # the last bit, or ties between equally loaded instances could go another way.
+    now = [100.0]
+    for config in (SLOConfig(), SLOConfig(global_tier=False), SLOConfig(chunk_tokens=2048)):
+        slo = SLOModel(PROFILE, config, clock=lambda: now[0])
+        for url, ratio in (("a", 1.7), ("b", 0.6)):
+            slo.observe_ttft(url, 1.0, ratio)
+        now[0] += 17.0
+        queued = [0, 1, 2047, 2048, 2049, 8191, 8192, 8193, 50_000, 997 * 63]
+        corrections = slo.corrections()
+        assert set(corrections) == {"a", "b"}
+        for prompt, glob in ((1, 0), (8000, 0), (16_000, 4096), (16_000, 16_000), (33_000, 900)):
+            ttfts = slo.hit_blind_ttfts_s(queued, prompt, glob)
+            for url in ("a", "b", "c"):
+                assert corrections.get(url, 1.0) == slo.correction(url)
+                for q, t in zip(queued, ttfts, strict=True):
+                    assert t * corrections.get(url, 1.0) == slo.predict_ttft_s(
+                        url, q, prompt, 0, glob
+                    )
+
+
 def test_ttft_correction_is_a_median_so_chunk_top_ups_do_not_drag_it():
     # Chunked prefill tops a request's last iteration up with prefill that arrives after it: its
     # TTFT is as predicted, or about one chunk longer. With one request in three topped up, the

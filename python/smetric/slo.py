@@ -42,7 +42,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from smetric.perf import Profile
@@ -159,6 +159,28 @@ class SLOModel:
             t = self._prefill_s(queued_prefill_tokens, uncached, cached)
         return (t + self.global_load_s(cached - local_tokens)) * self._factor(self._ttft, url)
 
+    def hit_blind_ttfts_s(
+        self, queued_prefill_tokens: Iterable[int], prompt_tokens: int, global_tokens: int
+    ) -> list[float]:
+        """``predict_ttft_s`` of a request holding nothing on an instance, for instances with
+        each of these amounts of prefill queued, without their corrections (``correction``
+        times each is the prediction) and without a top-up. The request's own part is worked
+        out once; per instance, the same arithmetic as ``_prefill_s`` (a test pins them equal):
+        a policy costs every instance with it on every first turn."""
+        loaded = global_tokens if self.config.global_tier else 0
+        cached = min(loaded, max(prompt_tokens - 1, 0))
+        uncached = prompt_tokens - cached
+        attention = self._attention * (uncached * cached + uncached * (uncached + 1) / 2.0)
+        linear, flops_per_s = self._linear, self._flops_per_s
+        chunk, overhead = self.config.chunk_tokens, self.profile.overhead_s
+        load_s = self.global_load_s(cached)
+        return [
+            (linear * (q + uncached) + attention) / flops_per_s
+            + math.ceil((q + uncached) / chunk) * overhead
+            + load_s
+            for q in queued_prefill_tokens
+        ]
+
     def _aligned_s(self, url: str, queued: int, uncached: int, cached: int) -> float:
         """Prefill time of a request behind ``queued`` tokens on the engine's own iteration
         boundaries, with its last iteration topped up in the likelier case.
@@ -270,6 +292,15 @@ class SLOModel:
         lo, hi = CORRECTION_BOUNDS
         c.factor = min(max(current + CORRECTION_WEIGHT * (raw - current), lo), hi)
         c.at = self.clock()
+
+    def corrections(self) -> dict[str, float]:
+        """Every instance's current TTFT correction that has one (``correction`` of each, the
+        clock read once): for a policy that costs every instance."""
+        now = self.clock()
+        return {
+            url: 1.0 + (c.factor - 1.0) * 0.5 ** ((now - c.at) / CORRECTION_HALF_LIFE_S)
+            for url, c in self._ttft.items()
+        }
 
     def correction(self, url: str) -> float:
         """Current TTFT correction factor of an instance."""

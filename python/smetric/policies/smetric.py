@@ -34,12 +34,12 @@ request count.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
-from smetric.cluster import ClusterView, Decision, WorkerView
+from smetric.cluster import ClusterView, Decision
 from smetric.perf import DEFAULT_PROFILE, Profile, load_profile
 from smetric.request import RequestView
 from smetric.slo import SLOConfig, SLOModel
@@ -80,33 +80,46 @@ class SMetric:
     # ---- load ----------------------------------------------------------------------------
 
     def _least_loaded(self, req: RequestView, cluster: ClusterView, exclude: int = -1) -> int:
+        """The instance with the lowest load (``_loads``), ``exclude`` left out unless it is the
+        only one; ties go to the one picked least often, then to the first."""
         ws = cluster.workers
-        idx = [i for i in range(len(ws)) if i != exclude] or [exclude]
-        load = self._load(req, cluster)
-        picks = self._picks
-        i = min(idx, key=lambda i: (*load(ws[i]), picks.get(ws[i].url, 0)))
-        picks[ws[i].url] = picks.get(ws[i].url, 0) + 1
-        return i
+        loads = self._loads(req, cluster)
+        if exclude >= 0 and len(loads) > 1:
+            loads[exclude] = (math.inf, math.inf)
+        # C loops where they do (this runs over every instance on every first turn): a lone
+        # lowest is found by value, ties one by one.
+        lowest = min(loads)
+        if loads.count(lowest) == 1:
+            best = loads.index(lowest)
+        else:  # an idle cluster ties them all
+            ties = [i for i, load in enumerate(loads) if load == lowest]
+            counts = [self._picks.get(ws[i].url, 0) for i in ties]
+            best = ties[counts.index(min(counts))]
+        url = ws[best].url
+        self._picks[url] = self._picks.get(url, 0) + 1
+        return best
 
-    def _load(
-        self, req: RequestView, cluster: ClusterView
-    ) -> Callable[[WorkerView], tuple[float, float]]:
-        """An instance's load under ``load_metric``, then the tie-breaker before picks."""
+    def _loads(self, req: RequestView, cluster: ClusterView) -> list[tuple[float, float]]:
+        """Each instance's load under ``load_metric``, then the tie-breaker before picks."""
+        ws = cluster.workers
         metric = self.config.load_metric
         if metric == "requests":
-            return lambda w: (w.in_flight, w.queued_prefill_tokens)
+            return [(w.in_flight, w.queued_prefill_tokens) for w in ws]
         if metric == "delay":
             delay = self.slo.queue_delay_s
-            return lambda w: (delay(w.url, w.queued_prefill_tokens), w.in_flight)
+            return [(delay(w.url, w.queued_prefill_tokens), w.in_flight) for w in ws]
         # Hit-blind, as balancing should be: every instance is costed as if it held none of the
-        # request and loaded what the global tier holds.
+        # request and loaded what the global tier holds (``predict_ttft_s``, the request's part
+        # worked out once, and the corrections looked up with the clock read once).
         prompt = req.prompt_tokens
         glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), prompt)
-        predict = self.slo.predict_ttft_s
-        return lambda w: (
-            predict(w.url, w.queued_prefill_tokens, prompt, 0, glob) * (w.in_flight + 1),
-            w.in_flight,
-        )
+        queued = [w.queued_prefill_tokens for w in ws]
+        ttfts = self.slo.hit_blind_ttfts_s(queued, prompt, glob)
+        corrections = self.slo.corrections()
+        return [
+            (t * corrections.get(w.url, 1.0) * (w.in_flight + 1), w.in_flight)
+            for t, w in zip(ttfts, ws, strict=True)
+        ]
 
     # ---- the decision --------------------------------------------------------------------
 
