@@ -11,6 +11,9 @@ Three paths, measured in one session so that their comparison survives a noisy m
 * ``router-churn``: the same, alternating two sessions (so every worker's hit changes every time)
   and dispatching to the chosen worker and finishing on another after each decision (so loads
   change too): the cached views help least here.
+* ``router-first-turn``: the router's hot path for a session's first turn (the same size, only the
+  shared system prompt held anywhere), with churn: SMetric balances it over every worker's
+  predicted cost instead of sticking.
 """
 
 from __future__ import annotations
@@ -80,6 +83,12 @@ def build() -> tuple[bytes, PrefixIndex, list[Worker]]:
     return raw, index, workers
 
 
+def first_turn_body() -> dict[str, Any]:
+    """A new session's first turn: system prompt and a long user message, no answer yet."""
+    body = chat_body(99)
+    return dict(body, messages=body["messages"][:2])
+
+
 def build_router(sessions: int) -> tuple[list[bytes], Router]:
     router = Router(RouterConfig())
     for url in urls():
@@ -132,7 +141,7 @@ def route(router: Router, raw: bytes) -> tuple[list[Worker], int]:
     return workers, decision.worker
 
 
-@pytest.mark.parametrize("path", ["reference", "router", "router-churn"])
+@pytest.mark.parametrize("path", ["reference", "router", "router-churn", "router-first-turn"])
 @pytest.mark.parametrize("policy", POLICIES)
 def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy, path):
     if path == "reference":
@@ -145,6 +154,8 @@ def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy, path):
     else:
         bodies, router = build_router(2)
         router.policy = make_policy(policy)
+        if path == "router-first-turn":
+            bodies = [json.dumps(first_turn_body()).encode()] * 2
         turns = itertools.cycle(range(2))
         finish = itertools.cycle(range(WORKERS))
 
@@ -157,13 +168,15 @@ def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy, path):
             return chosen
 
         chosen = benchmark(churn)
-    if policy == "cache_aware" and path != "router-churn":
+    if policy == "cache_aware" and path in ("reference", "router"):
         assert chosen == 17  # the worker holding the session
 
 
-@pytest.fixture(scope="module")
-def snapshot():
+@pytest.fixture(scope="module", params=["follow-up", "first-turn"])
+def snapshot(request):
     raw, index, workers = build()
+    if request.param == "first-turn":
+        raw = json.dumps(first_turn_body()).encode()
     view = view_request("chat", loads(raw))
     match = index.match(view.key.keys, touch=False)
     hits = dict(zip(index.instances(), match.blocks, strict=True))
@@ -180,11 +193,14 @@ def snapshot():
 
 @pytest.mark.parametrize("policy", ["least_load", "smetric"])
 def test_policy_select_alone_64_workers(benchmark, snapshot, policy):
-    """The policy's own cost on one snapshot (SMetric's target: <= 20 us over least_load)."""
+    """The policy's own cost on one snapshot (SMetric's target: <= 20 us over least_load), for a
+    follow-up (SMetric sticks) and a first turn (SMetric costs every worker)."""
     view, cluster = snapshot
     p = make_policy(policy)
     d = benchmark(p.select, view, cluster)
-    if policy == "smetric":
+    if policy == "smetric" and view.is_first_turn:
+        assert d.reason == "first_turn_balance"
+    elif policy == "smetric":
         assert d.reason == "stick" and cluster.workers[d.worker].url.endswith(".17:30000")
 
 
