@@ -81,45 +81,46 @@ class SMetric:
 
     def _least_loaded(self, req: RequestView, cluster: ClusterView, exclude: int = -1) -> int:
         """The instance with the lowest load (``_loads``), ``exclude`` left out unless it is the
-        only one; ties go to the one picked least often, then to the first."""
+        only one; ties go to the lower tie-breaker, then to the one picked least often, then to
+        the first."""
         ws = cluster.workers
-        loads = self._loads(req, cluster)
-        if exclude >= 0 and len(loads) > 1:
-            loads[exclude] = (math.inf, math.inf)
+        load, tie_breaker = self._loads(req, cluster)
+        if exclude >= 0 and len(load) > 1:
+            load[exclude] = math.inf
         # C loops where they do (this runs over every instance on every first turn): a lone
         # lowest is found by value, ties one by one.
-        lowest = min(loads)
-        if loads.count(lowest) == 1:
-            best = loads.index(lowest)
+        lowest = min(load)
+        if load.count(lowest) == 1:
+            best = load.index(lowest)
         else:  # an idle cluster ties them all
-            ties = [i for i, load in enumerate(loads) if load == lowest]
-            counts = [self._picks.get(ws[i].url, 0) for i in ties]
-            best = ties[counts.index(min(counts))]
+            ties = [i for i, x in enumerate(load) if x == lowest]
+            keys = [(tie_breaker[i], self._picks.get(ws[i].url, 0)) for i in ties]
+            best = ties[keys.index(min(keys))]
         url = ws[best].url
         self._picks[url] = self._picks.get(url, 0) + 1
         return best
 
-    def _loads(self, req: RequestView, cluster: ClusterView) -> list[tuple[float, float]]:
-        """Each instance's load under ``load_metric``, then the tie-breaker before picks."""
+    def _loads(self, req: RequestView, cluster: ClusterView) -> tuple[list[float], list[int]]:
+        """Each instance's load under ``load_metric``, and the tie-breaker before picks."""
         ws = cluster.workers
         metric = self.config.load_metric
+        in_flight = [w.in_flight for w in ws]
         if metric == "requests":
-            return [(w.in_flight, w.queued_prefill_tokens) for w in ws]
+            return list(map(float, in_flight)), [w.queued_prefill_tokens for w in ws]
+        queued = [w.queued_prefill_tokens for w in ws]
         if metric == "delay":
             delay = self.slo.queue_delay_s
-            return [(delay(w.url, w.queued_prefill_tokens), w.in_flight) for w in ws]
+            return [delay(w.url, q) for w, q in zip(ws, queued, strict=True)], in_flight
         # Hit-blind, as balancing should be: every instance is costed as if it held none of the
         # request and loaded what the global tier holds (``predict_ttft_s``, the request's part
         # worked out once, and the corrections looked up with the clock read once).
         prompt = req.prompt_tokens
         glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), prompt)
-        queued = [w.queued_prefill_tokens for w in ws]
         ttfts = self.slo.hit_blind_ttfts_s(queued, prompt, glob)
         corrections = self.slo.corrections()
-        return [
-            (t * corrections.get(w.url, 1.0) * (w.in_flight + 1), w.in_flight)
-            for t, w in zip(ttfts, ws, strict=True)
-        ]
+        if corrections:
+            ttfts = [t * corrections.get(w.url, 1.0) for t, w in zip(ttfts, ws, strict=True)]
+        return [t * (n + 1) for t, n in zip(ttfts, in_flight, strict=True)], in_flight
 
     # ---- the decision --------------------------------------------------------------------
 
