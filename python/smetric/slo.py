@@ -165,8 +165,8 @@ class SLOModel:
         """``predict_ttft_s`` of a request holding nothing on an instance, for instances with
         each of these amounts of prefill queued, without their corrections (``correction``
         times each is the prediction) and without a top-up. The request's own part is worked
-        out once; per instance, the same arithmetic as ``_prefill_s`` (a test pins them equal):
-        a policy costs every instance with it on every first turn."""
+        out once, then each amount's with the same arithmetic as ``_prefill_s`` (a test pins
+        them equal): a policy costs every instance with it on every first turn."""
         loaded = global_tokens if self.config.global_tier else 0
         cached = min(loaded, max(prompt_tokens - 1, 0))
         uncached = prompt_tokens - cached
@@ -174,12 +174,15 @@ class SLOModel:
         linear, flops_per_s = self._linear, self._flops_per_s
         chunk, overhead = self.config.chunk_tokens, self.profile.overhead_s
         load_s = self.global_load_s(cached)
-        return [
-            (linear * (q + uncached) + attention) / flops_per_s
+        queued = list(queued_prefill_tokens)
+        # Once per amount: instances with nothing queued, or as much, are common.
+        ttft = {
+            q: (linear * (q + uncached) + attention) / flops_per_s
             + math.ceil((q + uncached) / chunk) * overhead
             + load_s
-            for q in queued_prefill_tokens
-        ]
+            for q in set(queued)
+        }
+        return list(map(ttft.__getitem__, queued))
 
     def _aligned_s(self, url: str, queued: int, uncached: int, cached: int) -> float:
         """Prefill time of a request behind ``queued`` tokens on the engine's own iteration
