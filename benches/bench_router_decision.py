@@ -12,8 +12,9 @@ Three paths, measured in one session so that their comparison survives a noisy m
   and dispatching to the chosen worker and finishing on another after each decision (so loads
   change too): the cached views help least here.
 * ``router-first-turn``: the router's hot path for a session's first turn (the same size, only the
-  shared system prompt held anywhere), with churn: SMetric balances it over every worker's
-  predicted cost instead of sticking.
+  shared system prompt held anywhere), with loads changing as in ``router-churn`` (the body is
+  the same every time): SMetric balances it over every worker's predicted cost instead of
+  sticking.
 """
 
 from __future__ import annotations

@@ -80,6 +80,27 @@ def test_first_turn_balance_counts_the_requests_its_prefill_would_delay():
     assert decide(smetric(), req(first=True), c) == ("b", "first_turn_balance")
 
 
+def test_balancing_breaks_ties_by_requests_then_picks_then_order_and_leaves_out_the_excluded():
+    r = req(first=True)
+    # An idle cluster: all tie, so sessions spread in order, then start over.
+    p = smetric()
+    idle = cluster(w("a"), w("b"), w("c"), w("d"))
+    assert [decide(p, r, idle)[0] for _ in range(5)] == ["a", "b", "c", "d", "a"]
+    # c serves nothing, the others one request each (twice its cost). Left out, the others tie:
+    # the one picked least often, then the first.
+    p = smetric()
+    c = cluster(w("a", in_flight=1), w("b", in_flight=1), w("c"), w("d", in_flight=1))
+    assert p._least_loaded(r, c) == 2
+    assert p._least_loaded(r, c, exclude=2) == 0
+    assert p._least_loaded(r, c, exclude=2) == 1  # a has been picked once, b not yet
+    assert p._least_loaded(r, cluster(w("only")), exclude=0) == 0  # nobody else to take it
+    # The delay metric's tie-breaker is the request count: no queue anywhere, fewer requests.
+    d = smetric(load_metric="delay")
+    two = cluster(w("a", in_flight=3), w("b", in_flight=1))
+    assert d._least_loaded(r, two) == 1
+    assert d._least_loaded(r, two, exclude=1) == 0
+
+
 def test_follow_up_sticks_to_the_instance_with_the_highest_local_hit_when_it_meets_the_slo():
     c = cluster(w("a", hit=100), w("b", hit=950, in_flight=3, queued=4_000), w("c"))
     assert decide(smetric(), req(), c) == ("b", "stick")

@@ -77,6 +77,13 @@ class _Correction:
         """The median's window (TTFT only), decayed to ``at``."""
 
 
+def _decayed(c: _Correction, now: float) -> float:
+    """A correction factor as of ``now``: back towards 1 by half each half-life since it was
+    last set."""
+    decay: float = 0.5 ** ((now - c.at) / CORRECTION_HALF_LIFE_S)
+    return 1.0 + (c.factor - 1.0) * decay
+
+
 class SLOModel:
     def __init__(
         self,
@@ -228,11 +235,7 @@ class SLOModel:
 
     def _factor(self, table: dict[str, _Correction], url: str) -> float:
         c = table.get(url)
-        if c is None:
-            return 1.0
-        age = self.clock() - c.at
-        decay: float = 0.5 ** (age / CORRECTION_HALF_LIFE_S)
-        return 1.0 + (c.factor - 1.0) * decay
+        return 1.0 if c is None else _decayed(c, self.clock())
 
     def note_dispatch(self, url: str) -> None:
         """A request was sent to the instance (for its arrival rate, and for the TTFT
@@ -300,10 +303,7 @@ class SLOModel:
         """Every instance's current TTFT correction that has one (``correction`` of each, the
         clock read once): for a policy that costs every instance."""
         now = self.clock()
-        return {
-            url: 1.0 + (c.factor - 1.0) * 0.5 ** ((now - c.at) / CORRECTION_HALF_LIFE_S)
-            for url, c in self._ttft.items()
-        }
+        return {url: _decayed(c, now) for url, c in self._ttft.items()}
 
     def correction(self, url: str) -> float:
         """Current TTFT correction factor of an instance."""

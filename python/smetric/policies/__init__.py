@@ -39,8 +39,7 @@ def least_loaded(cluster: ClusterView, candidates: range | list[int] | None = No
     idx = range(len(w)) if candidates is None else candidates
     if not idx:
         raise ValueError("no worker to choose from")
-    # Over every worker, on many requests: a plain loop, fields read by name (unpacking a named
-    # tuple is several times slower: only a plain tuple's has a fast path).
+    # Over every worker, on many requests: a plain loop, fields read by name (see WorkerView).
     best, best_load, best_queued = -1, 0, 0
     for i in idx:
         v = w[i]

@@ -25,8 +25,7 @@ class KvCost:
         # The lowest cost, the first worker on a tie. A plain loop: it runs over every worker on
         # every request.
         best, best_cost = 0, 0.0
-        # Fields read by name: unpacking a named tuple is several times slower (only a plain
-        # tuple's has a fast path).
+        # Fields read by name (see ``WorkerView``).
         for i, w in enumerate(cluster.workers):
             local = w.local_hit_blocks
             shared = found - local if found > local else 0

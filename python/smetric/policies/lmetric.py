@@ -21,9 +21,9 @@ class LMetric:
         if not cluster.workers:
             raise ValueError("no worker to choose from")
         best, best_cost, best_load = 0, 0, 0
-        # Fields read by name (unpacking a named tuple is several times slower: only a plain
-        # tuple's has a fast path); the uncached part worked out once per hit, as most workers
-        # share a few (none, or a shared system prompt), and ``int`` of a float is not cheap.
+        # Fields read by name (see ``WorkerView``); the uncached part worked out once per hit, as
+        # most workers share a few (none, or a shared system prompt), and ``int`` of a float is
+        # not cheap.
         uncached: dict[int, int] = {}
         for i, w in enumerate(cluster.workers):
             blocks, load = w.local_hit_blocks, w.in_flight

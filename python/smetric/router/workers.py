@@ -158,7 +158,9 @@ class Worker:
         self, local_hit_blocks: int, now: float = 0.0, prefill_tokens_per_s: float = 0.0
     ) -> WorkerView:
         """The worker as a policy sees it, built again only when its load or the hit changed;
-        with a prefill rate, its queued prefill less what it has got through meanwhile."""
+        with a prefill rate, its queued prefill less what it has got through meanwhile.
+        (``Router._snapshot`` takes the kept view itself where it holds as it is, without this
+        call: a change to when it holds must be made there too.)"""
         d = self.__dict__
         v: WorkerView | None = d["_view"]
         if v is None:
