@@ -19,7 +19,7 @@ def req(prompt_tokens: int = 1600, session: str | None = None, first: bool | Non
 
 
 def test_worker_views_keep_the_field_order_hot_code_reads_by_position():
-    # least_loaded, lmetric, kv_cost and Worker.view unpack or index WorkerView by position.
+    # Worker.view builds WorkerView by position and Router._snapshot reads fields by position.
     assert WorkerView._fields == (
         "url",
         "in_flight",

@@ -141,7 +141,7 @@ impl Span {
     }
 
     fn range(self) -> std::ops::Range<usize> {
-        (self.0 as u32) as usize..((self.0 >> 32) as u32 & !(1 << 31)) as usize
+        (self.0 as u32) as usize..((self.0 & !Self::DECODED) >> 32) as usize
     }
 
     fn decoded(self) -> bool {
@@ -850,8 +850,8 @@ fn write_compact(doc: &Doc<'_>, out: &mut Vec<u8>, order: &mut Vec<u32>, v: &Val
             out.push(b'{');
             let mut first = true;
             for i in base..order.len() {
-                let (key, value) = &members[order[i] as usize];
-                let key = doc.str(*key);
+                let (span, value) = members[order[i] as usize];
+                let key = doc.str(span);
                 if order
                     .get(i + 1)
                     .is_some_and(|&next| doc.str(members[next as usize].0) == key)
@@ -862,9 +862,9 @@ fn write_compact(doc: &Doc<'_>, out: &mut Vec<u8>, order: &mut Vec<u32>, v: &Val
                     out.push(b',');
                 }
                 first = false;
-                write_str(doc, out, members[order[i] as usize].0);
+                write_str(doc, out, span);
                 out.push(b':');
-                write_compact(doc, out, order, value)?;
+                write_compact(doc, out, order, &value)?;
             }
             order.truncate(base);
             out.push(b'}');
