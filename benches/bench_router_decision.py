@@ -14,7 +14,7 @@ Three paths, measured in one session so that their comparison survives a noisy m
 * ``router-first-turn``: the router's hot path for a session's first turn (the same size, only the
   shared system prompt held anywhere), with loads changing as in ``router-churn`` (the body is
   the same every time): SMetric balances it over every worker's predicted cost instead of
-  sticking.
+  sticking, each worker with its own TTFT correction as in a router that has seen answers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import pytest
 from smetric import PrefixIndex
 from smetric.cluster import ClusterView, WorkerView
 from smetric.policies import Policy, make_policy
+from smetric.policies.smetric import SMetric
 from smetric.request import loads, view_body, view_request
 from smetric.router import Router, RouterConfig
 from smetric.router.workers import Worker
@@ -157,6 +158,9 @@ def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy, path):
         router.policy = make_policy(policy)
         if path == "router-first-turn":
             bodies = [json.dumps(first_turn_body()).encode()] * 2
+            if isinstance(router.policy, SMetric):  # as after answers: a correction per worker
+                for i, url in enumerate(urls()):
+                    router.policy.slo.observe_ttft(url, 1.0, 0.8 + i / 160)
         turns = itertools.cycle(range(2))
         finish = itertools.cycle(range(WORKERS))
 
@@ -173,10 +177,10 @@ def test_routing_decision_128kb_chat_64_workers(benchmark, setup, policy, path):
         assert chosen == 17  # the worker holding the session
 
 
-@pytest.fixture(scope="module", params=["follow-up", "first-turn"])
+@pytest.fixture(scope="module", params=["follow-up", "first-turn", "first-turn-corrected"])
 def snapshot(request):
     raw, index, workers = build()
-    if request.param == "first-turn":
+    if request.param.startswith("first-turn"):
         raw = json.dumps(first_turn_body()).encode()
     view = view_request("chat", loads(raw))
     match = index.match(view.key.keys, touch=False)
@@ -189,15 +193,20 @@ def snapshot(request):
         len(view.key.keys),
         view.key.block_tokens,
     )
-    return view, cluster
+    return view, cluster, request.param.endswith("corrected")
 
 
 @pytest.mark.parametrize("policy", ["least_load", "smetric"])
 def test_policy_select_alone_64_workers(benchmark, snapshot, policy):
     """The policy's own cost on one snapshot (SMetric's target: <= 20 us over least_load), for a
-    follow-up (SMetric sticks) and a first turn (SMetric costs every worker)."""
-    view, cluster = snapshot
+    follow-up (SMetric sticks) and a first turn (SMetric costs every worker), the latter also as
+    a router that has seen answers has it: every worker with its own TTFT correction."""
+    view, cluster, corrected = snapshot
     p = make_policy(policy)
+    if corrected and isinstance(p, SMetric):
+        for i, w in enumerate(cluster.workers):
+            p.slo.observe_ttft(w.url, 1.0, 0.8 + i / 160)
+        assert len(p.slo.corrections()) == len(cluster.workers)
     d = benchmark(p.select, view, cluster)
     if policy == "smetric" and view.is_first_turn:
         assert d.reason == "first_turn_balance"

@@ -15,7 +15,7 @@ from smetric.perf import PRESETS
 from smetric.policies import PolicyConfig, SMetricConfig, make_policy
 from smetric.request import PromptKey, RequestView
 from smetric.sim import SimRequest, least_loaded, policy_route, simulate
-from smetric.slo import SLOConfig, SLOModel
+from smetric.slo import CORRECTION_REFRESH_S, SLOConfig, SLOModel
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
 BT = 16.0
@@ -214,6 +214,26 @@ def test_online_correction_follows_observations_bounded_and_decaying():
     assert slo.correction("b") == 1.0
 
 
+def test_corrections_decay_to_the_present_at_least_every_refresh_and_new_ones_count_at_once():
+    now = [1000.0]
+    slo = SLOModel(PROFILE, clock=lambda: now[0])
+    slo.observe_ttft("a", 1.0, 2.0)
+    assert slo.correction("a") == 2.0
+    now[0] = 1060.0
+    assert slo.correction("a") == 1.5  # half-way back after a half-life
+    now[0] = 1060.0 + 0.6 * CORRECTION_REFRESH_S
+    assert slo.correction("a") == 1.5  # as of the last refresh
+    slo.observe_ttft("b", 1.0, 0.5)
+    assert slo.corrections() == {"a": 1.5, "b": 0.5}  # the one just set counts at once
+    now[0] = 1060.0 + 1.2 * CORRECTION_REFRESH_S
+    a = 1.0 + 0.5 ** ((60.0 + 1.2 * CORRECTION_REFRESH_S) / 60.0)
+    b = 1.0 - 0.5 * 0.5 ** ((0.6 * CORRECTION_REFRESH_S) / 60.0)
+    assert slo.corrections() == pytest.approx({"a": a, "b": b}, rel=1e-12)
+    assert a < 1.5 and b > 0.5
+    now[0] = 1050.0  # a clock that went back is read as it is
+    assert slo.correction("a") == pytest.approx(1.0 + 0.5 ** (50.0 / 60.0), rel=1e-12)
+
+
 def test_batched_hit_blind_predictions_and_corrections_equal_the_per_instance_ones_exactly():
     # SMetric's balancing costs every instance at once (``hit_blind_ttfts_s`` times each
     # instance's correction from ``corrections``); that must be ``predict_ttft_s`` of each, to
@@ -229,10 +249,11 @@ def test_batched_hit_blind_predictions_and_corrections_equal_the_per_instance_on
         assert set(corrections) == {"a", "b"}
         for prompt, glob in ((1, 0), (8000, 0), (16_000, 4096), (16_000, 16_000), (33_000, 900)):
             ttfts = slo.hit_blind_ttfts_s(queued, prompt, glob)
+            assert set(ttfts) == set(queued)
             for url in ("a", "b", "c"):
                 assert corrections.get(url, 1.0) == slo.correction(url)
-                for q, t in zip(queued, ttfts, strict=True):
-                    assert t * corrections.get(url, 1.0) == slo.predict_ttft_s(
+                for q in queued:
+                    assert ttfts[q] * corrections.get(url, 1.0) == slo.predict_ttft_s(
                         url, q, prompt, 0, glob
                     )
 

@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from operator import attrgetter
+from typing import cast
 
-from smetric.cluster import ClusterView, Decision
+from smetric.cluster import ClusterView, Decision, WorkerView
 from smetric.perf import DEFAULT_PROFILE, Profile, load_profile
 from smetric.request import RequestView
 from smetric.slo import SLOConfig, SLOModel
@@ -47,6 +50,9 @@ from smetric.slo import SLOConfig, SLOModel
 FOLLOW_UP_HIT_FRACTION = 0.5
 
 _HIT = attrgetter("local_hit_blocks")
+_URL = attrgetter("url")
+_IN_FLIGHT = attrgetter("in_flight")
+_QUEUED = attrgetter("queued_prefill_tokens")
 
 
 @dataclass(frozen=True)
@@ -88,39 +94,62 @@ class SMetric:
         if exclude >= 0 and len(load) > 1:
             load[exclude] = math.inf
         # C loops where they do (this runs over every instance on every first turn): a lone
-        # lowest is found by value, ties one by one.
+        # lowest is found by value; ties narrowed a key at a time.
         lowest = min(load)
-        if load.count(lowest) == 1:
+        tied = load.count(lowest)
+        if tied == 1:
             best = load.index(lowest)
-        else:  # an idle cluster ties them all
-            ties = [i for i, x in enumerate(load) if x == lowest]
-            keys = [(tie_breaker[i], self._picks.get(ws[i].url, 0)) for i in ties]
-            best = ties[keys.index(min(keys))]
+        else:
+            ties: range | list[int]
+            workers: Sequence[WorkerView] | None
+            if tied == len(load):  # an idle cluster ties them all
+                ties, keys, workers = range(tied), tie_breaker, ws
+            else:
+                ties = [i for i, x in enumerate(load) if x == lowest]
+                keys, workers = [tie_breaker[i] for i in ties], None
+            least = min(keys)
+            if keys.count(least) != len(keys):
+                ties, workers = [i for i, k in zip(ties, keys, strict=True) if k == least], None
+            if workers is None:
+                workers = [ws[i] for i in ties]
+            picks = list(map(self._picks.get, map(_URL, workers), repeat(0)))
+            best = ties[picks.index(min(picks))]
         url = ws[best].url
         self._picks[url] = self._picks.get(url, 0) + 1
         return best
 
     def _loads(self, req: RequestView, cluster: ClusterView) -> tuple[list[float], list[int]]:
-        """Each instance's load under ``load_metric``, and the tie-breaker before picks."""
+        """Numbers in the order of each instance's load under ``load_metric`` (equal where the
+        loads are: request counts stand for loads they order alike), and the tie-breaker before
+        picks."""
         ws = cluster.workers
         metric = self.config.load_metric
-        in_flight = [w.in_flight for w in ws]
+        in_flight = list(map(_IN_FLIGHT, ws))
+        queued = list(map(_QUEUED, ws))
         if metric == "requests":
-            return list(map(float, in_flight)), [w.queued_prefill_tokens for w in ws]
-        queued = [w.queued_prefill_tokens for w in ws]
+            return cast("list[float]", in_flight), queued
         if metric == "delay":
             delay = self.slo.queue_delay_s
             return [delay(w.url, q) for w, q in zip(ws, queued, strict=True)], in_flight
         # Hit-blind, as balancing should be: every instance is costed as if it held none of the
         # request and loaded what the global tier holds (``predict_ttft_s``, the request's part
-        # worked out once, and the corrections looked up with the clock read once).
+        # worked out once, each amount queued once, and the corrections of the present).
         prompt = req.prompt_tokens
         glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), prompt)
-        ttfts = self.slo.hit_blind_ttfts_s(queued, prompt, glob)
+        ttft = self.slo.hit_blind_ttfts_s(queued, prompt, glob)
         corrections = self.slo.corrections()
         if corrections:
-            ttfts = [t * corrections.get(w.url, 1.0) for t, w in zip(ttfts, ws, strict=True)]
-        return [t * (n + 1) for t, n in zip(ttfts, in_flight, strict=True)], in_flight
+            get = corrections.get
+            return [
+                ttft[q] * get(u, 1.0) * (n + 1)
+                for u, q, n in zip(map(_URL, ws), queued, in_flight, strict=True)
+            ], in_flight
+        if len(ttft) == 1:
+            # One TTFT everywhere: the cost is that times requests served + 1, in the order of
+            # the requests served (a positive factor keeps it, and it is 0 or far above the
+            # smallest float, so distinct counts stay distinct).
+            return cast("list[float]", in_flight), in_flight
+        return [ttft[q] * (n + 1) for q, n in zip(queued, in_flight, strict=True)], in_flight
 
     # ---- the decision --------------------------------------------------------------------
 
@@ -140,6 +169,11 @@ class SMetric:
         return d
 
     def _select(self, req: RequestView, cluster: ClusterView) -> Decision:
+        if req.is_first_turn and req.session_key is None and self.config.turn_detection:
+            # Said to be a first turn, and no session key to say otherwise: the hits are moot.
+            return self._with_prediction(
+                req, cluster, self._least_loaded(req, cluster), "first_turn_balance"
+            )
         ws = cluster.workers
         hits = list(map(_HIT, ws))
         best = hits.index(max(hits))  # the first of the best (C loops: this runs per request)
