@@ -9,6 +9,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -25,6 +26,7 @@ from smetric.router.app import Exchange
 from smetric.router.workers import Worker
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
+FIXTURES = Path(__file__).parent / "fixtures"
 FAST = 20.0  # emulated time runs 20x faster: the tests check behaviour, not timing
 
 
@@ -547,6 +549,35 @@ def test_cli_accepts_sglang_router_command_lines_and_rejects_bad_flags(capsys):
             parse_config(bad)
         assert e.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_cli_accepts_every_flag_of_sglang_router_0_3_2_with_each_of_its_choices():
+    # Its flags as its own parser lists them (tests/fixtures/NOTICE.md): whichever a user's
+    # command line has, it parses here, those that do not apply with a warning.
+    rows = [
+        line.rstrip("\n").split("\t")
+        for line in (FIXTURES / "sglang_router_0.3.2_flags.tsv").read_text().splitlines()
+        if not line.startswith("#")
+    ]
+    assert len(rows) == 98
+    pd = {"--prefill", "--decode", "--pd-disaggregation", "--prefill-policy", "--decode-policy"}
+    tried = 0
+    for flag, values, kind, choices in rows:
+        if choices:
+            cases = [[c] for c in choices.split(",")]
+        elif values == "flag":
+            cases = [[]]
+        elif flag in ("--prefill", "--decode", "--worker-urls"):
+            cases = [["http://w:1"]] + ([["http://w:1", "9000"]] if flag == "--prefill" else [])
+        else:
+            cases = [{"int": ["2"], "float": ["0.5"]}.get(kind, ["app=x"])]
+        for case in cases:
+            base = ["--worker-urls", "http://a:1"]
+            if flag in pd:
+                base = ["--pd-disaggregation", "--prefill", "http://p:1", "--decode", "http://d:1"]
+            parse_config([*base, flag, *case])
+            tried += 1
+    assert tried > len(rows)  # every choice of the flags that have some
 
 
 # ---- faults -------------------------------------------------------------------------------
