@@ -207,6 +207,7 @@ class CaptureWorker:
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
         self.headers: list[dict[str, str]] = []
+        self.paths: list[str] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -214,12 +215,20 @@ class CaptureWorker:
         async def generate(request: web.Request) -> web.Response:
             self.bodies.append(await request.read())
             self.headers.append(dict(request.headers))
+            self.paths.append(request.path)
             return web.json_response({"text": "ok", "meta_info": {"id": "x"}})
 
         async def ok(request: web.Request) -> web.Response:
             return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
 
-        for path in ("/generate", "/v1/chat/completions", "/v1/completions"):
+        for path in (
+            "/generate",
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/embeddings",
+            "/v1/rerank",
+            "/v1/classify",
+        ):
             app.router.add_post(path, generate)
         for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
             app.router.add_get(path, ok)
@@ -242,6 +251,38 @@ def with_capture(test: Callable[[Bed, CaptureWorker], Awaitable[Any]], **config:
             await runner.cleanup()
 
     return asyncio.run(main())
+
+
+def test_embeddings_rerank_and_classify_are_forwarded_as_sglang_router_does():
+    # sglang-router 0.3.2 forwards these too (its /rerank to the worker's /v1/rerank).
+    raw = b'{"model":"m",  "input":["a b", "c"],"extra":{"kept":true}}'
+
+    async def test(bed: Bed, capture: CaptureWorker):
+        sent = [("/v1/embeddings", "/v1/embeddings"), ("/v1/rerank", "/v1/rerank")]
+        sent += [("/rerank", "/v1/rerank"), ("/v1/classify", "/v1/classify")]
+        for path, _ in sent:
+            async with bed.session.post(
+                bed.base + path,
+                data=raw,
+                headers={"X-Request-ID": f"r{path}", "Content-Type": "application/json"},
+            ) as r:
+                assert r.status == 200 and (await r.json())["text"] == "ok"
+                assert r.headers["X-Request-ID"] == f"r{path}"
+                assert r.headers["X-SMetric-Reason"]
+        assert capture.paths == [worker_path for _, worker_path in sent]
+        assert capture.bodies == [raw] * len(sent)
+        assert [h["X-Request-ID"] for h in capture.headers] == [f"r{p}" for p, _ in sent]
+        for bad in (b'{"input": ', b"[1, 2]", b"\xff"):
+            status, body, _ = await bed.post("/v1/embeddings", data=bad)
+            assert status == 400 and body["error"]["code"] == 400
+        assert len(capture.paths) == len(sent)  # nothing of them reached the worker
+        assert all(w.in_flight == 0 for w in bed.workers.values())
+        _, metrics = await bed.get("/metrics")
+        assert 'smetric_requests_total{route="embeddings",status="200"} 1' in metrics
+        assert 'smetric_requests_total{route="rerank",status="200"} 2' in metrics
+        assert 'smetric_requests_total{route="embeddings",status="400"} 3' in metrics
+
+    with_capture(test)
 
 
 def test_bodies_are_forwarded_byte_for_byte_and_request_ids_echoed():

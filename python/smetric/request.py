@@ -168,6 +168,16 @@ def _session_key(headers: Mapping[str, str] | None) -> str | None:
     return None
 
 
+def view_unkeyed(
+    api: str, body_bytes: int, headers: Mapping[str, str] | None = None
+) -> RequestView:
+    """A request with no prompt to key (embeddings, rerank, classification): no blocks, so no
+    policy finds a hit for it and each balances it; its size estimated from its body's."""
+    tokens = text_prompt_tokens(body_bytes)
+    key = PromptKey(hash_text(b"", TEXT_BLOCK_BYTES), tokens, _TEXT_BLOCK_TOKENS)
+    return RequestView(api, key, 0, False, _session_key(headers), None)
+
+
 def view_body(api: str, raw: bytes, headers: Mapping[str, str] | None = None) -> RequestView | None:
     """The router's fast path: ``view_request(api, loads(raw), headers)`` computed in Rust from the
     body bytes, without the GIL and without building the body's Python objects.

@@ -47,6 +47,7 @@ from smetric.request import (
     view_body,
     view_keyed,
     view_request,
+    view_unkeyed,
 )
 from smetric.router.config import RouterConfig
 from smetric.router.workers import Worker
@@ -60,6 +61,16 @@ DEFAULT_WORKER_TOKENS = 1_000_000
 MIN_TPOT_EVENTS = 8
 """Streams shorter than this teach the TPOT correction nothing (see ``_observe_tpot``)."""
 ROUTES = {"/generate": "generate", "/v1/chat/completions": "chat", "/v1/completions": "completions"}
+OTHER_ROUTES = {
+    "/v1/embeddings": ("embeddings", "/v1/embeddings"),
+    "/v1/rerank": ("rerank", "/v1/rerank"),
+    "/rerank": ("rerank", "/v1/rerank"),
+    "/v1/classify": ("classify", "/v1/classify"),
+}
+"""The other inference routes sglang-router 0.3.2 forwards to workers: the API (for metrics) and
+the worker's path (its ``/rerank`` goes to ``/v1/rerank``). Served by the aiohttp application
+(the Rust data plane hands it every route but generation): no prompt to key, so each policy
+balances them (``view_unkeyed``), with generation's retries, accounting and metrics."""
 
 
 class Retry(Exception):
@@ -488,6 +499,8 @@ class Router:
         r = app.router
         for path in ROUTES:
             r.add_post(path, self.handle_generation)
+        for path in OTHER_ROUTES:
+            r.add_post(path, self.handle_other)
         r.add_get("/health", self.health)
         r.add_get("/liveness", self.health)
         r.add_get("/readiness", self.readiness)
@@ -801,6 +814,30 @@ class Router:
         ex = Exchange(self, view, request.path, rid, t0, request.headers)
         return await self._drive(request, raw, ex)
 
+    async def handle_other(self, request: web.Request) -> web.StreamResponse:
+        """Embeddings, rerank and classification (``OTHER_ROUTES``): forwarded byte for byte to
+        the worker the policy picks. A body that is not a JSON object is refused (400)."""
+        api, path = OTHER_ROUTES[request.path]
+        rid = self._request_id(request.headers)
+        t0 = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
+        try:
+            body = loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            message = "request body must be a JSON object"
+            return web.Response(
+                body=self._refuse(api, 400, message), status=400, content_type="application/json"
+            )
+        if self.config.pd_disaggregation:
+            return self._count(api, error_json(503, f"{request.path} is not served in PD mode"))
+        view = view_unkeyed(api, len(raw), request.headers)
+        return await self._drive(request, raw, Exchange(self, view, path, rid, t0, request.headers))
+
     def _count(self, api: str, resp: web.StreamResponse) -> web.StreamResponse:
         with self.lock:
             self.requests[(api, resp.status)] += 1
@@ -868,7 +905,7 @@ class Router:
         resp = web.StreamResponse()
         try:
             async with self.session.post(
-                url + request.path,
+                url + ex.path,
                 data=raw,
                 headers=dict(headers),
                 timeout=self._upstream_timeout,
