@@ -9,7 +9,7 @@ import pytest
 from smetric import BlockKeys
 from smetric.cluster import ClusterView, WorkerView
 from smetric.policies import POLICIES, PolicyConfig, make_policy
-from smetric.request import PromptKey, RequestView
+from smetric.request import PromptKey, RequestView, text_prompt_tokens, view_unkeyed
 
 
 def req(prompt_tokens: int = 1600, session: str | None = None, first: bool | None = None):
@@ -188,3 +188,18 @@ def test_sticky_keeps_a_session_on_its_worker_and_falls_back_to_least_load():
     gone = cluster(w("a", in_flight=2), w("c", in_flight=1))
     moved = p.select(req(session="s1"), gone)
     assert (gone.workers[moved.worker].url, moved.reason) == ("c", "session_moved")
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_every_policy_balances_a_request_with_nothing_to_key(name):
+    # Embeddings, rerank, classification: no blocks, so no hits, and the least loaded of three
+    # gets it (round_robin and random: any of them).
+    view = view_unkeyed("embeddings", 4000)
+    assert len(view.key.keys) == 0 and view.prompt_tokens == text_prompt_tokens(4000) > 1
+    ws = (w("a", in_flight=3, queued=900), w("b"), w("c", in_flight=2, queued=500))
+    p = make_policy(name)
+    picks = {p.select(view, cluster(*ws, query_blocks=0)).worker for _ in range(3)}
+    if name in ("round_robin", "random"):
+        assert picks <= {0, 1, 2}
+    else:
+        assert picks == {1}
