@@ -19,6 +19,7 @@ from aiohttp import web
 from smetric.emulator import EmulatedCluster
 from smetric.perf import PRESETS
 from smetric.policies import POLICIES
+from smetric.prom import merge_worker_metrics
 from smetric.request import view_request
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
 from smetric.router import app as app_module
@@ -1567,6 +1568,61 @@ def test_metrics_report_requests_decisions_latencies_and_load():
     if DATA_PLANE == "rust":  # three routed and one refused, one at a time: a turn each
         assert values["smetric_decided_requests_total"] == 4
         assert values["smetric_decision_turns_total"] == 4
+
+
+def test_engine_metrics_gathers_every_workers_metrics_labelled_with_the_worker():
+    async def test(bed: Bed):
+        for _ in range(3):
+            status, _, _ = await bed.post("/generate", GEN)
+            assert status == 200
+        status, text = await bed.get("/engine_metrics")
+        assert status == 200
+        with bed.router.lock:  # a worker that cannot be reached is left out
+            bed.router._admit(Worker("http://127.0.0.1:9"))
+        status, without = await bed.get("/engine_metrics")
+        assert status == 200
+        return bed.cluster.urls, text, without
+
+    urls, text, without = run(test, policy="round_robin")
+    types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)) > 3  # each family declared once
+    assert all(":" not in line.split()[2] for line in types)
+    running = [line for line in text.splitlines() if line.startswith("sglang_num_running_reqs{")]
+    assert sorted(line.split('worker_addr="')[1].split('"')[0] for line in running) == sorted(urls)
+    served = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_prompt_tokens_total{"):
+            served[line.split('worker_addr="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+    assert set(served) == set(urls) and all(v > 0 for v in served.values())  # 2 and 1 requests
+    assert without.count("worker_addr=") == text.count("worker_addr=")
+    assert "127.0.0.1:9" not in without
+
+
+def test_merged_worker_metrics_keep_families_together_and_each_sample_once():
+    a = (
+        "# HELP sglang:ttft Time to first token.\n# TYPE sglang:ttft histogram\n"
+        'sglang:ttft_bucket{le="0.1"} 1.0\nsglang:ttft_bucket{le="+Inf"} 3.0\n'
+        "sglang:ttft_sum 0.9\nsglang:ttft_count 3.0\nsglang:ttft_other 4\nplain{} 5\n"
+    )
+    merged = merge_worker_metrics([("http://a:1", a), ('http://b"2', a.replace("3.0", "6.0"))])
+    assert merged.splitlines() == [
+        "# HELP sglang_ttft Time to first token.",
+        "# TYPE sglang_ttft histogram",
+        'sglang_ttft_bucket{worker_addr="http://a:1",le="0.1"} 1.0',
+        'sglang_ttft_bucket{worker_addr="http://a:1",le="+Inf"} 3.0',
+        'sglang_ttft_sum{worker_addr="http://a:1"} 0.9',
+        'sglang_ttft_count{worker_addr="http://a:1"} 3.0',
+        'sglang_ttft_bucket{worker_addr="http://b\\"2",le="0.1"} 1.0',
+        'sglang_ttft_bucket{worker_addr="http://b\\"2",le="+Inf"} 6.0',
+        'sglang_ttft_sum{worker_addr="http://b\\"2"} 0.9',
+        'sglang_ttft_count{worker_addr="http://b\\"2"} 6.0',
+        "",
+        'sglang_ttft_other{worker_addr="http://a:1"} 4',
+        'sglang_ttft_other{worker_addr="http://b\\"2"} 4',
+        "",
+        'plain{worker_addr="http://a:1"} 5',
+        'plain{worker_addr="http://b\\"2"} 5',
+    ]
 
 
 def test_two_data_plane_threads_serve_concurrent_requests():

@@ -122,3 +122,48 @@ def render_families(
     for name, h in histograms.items():
         lines += _histogram_lines(prefix + name, h, {})
     return "\n".join(lines) + "\n"
+
+
+_SAMPLE_SUFFIXES = frozenset(
+    ("", "_bucket", "_sum", "_count", "_total", "_created", "_gcount", "_gsum", "_info")
+)
+
+
+def merge_worker_metrics(answers: Sequence[tuple[str, str]]) -> str:
+    """Workers' ``/metrics`` (URL, text) merged into one exposition, as sglang-router's
+    ``/engine_metrics`` merges them: each family once (its HELP and TYPE as the first worker to
+    declare them gave them), then every worker's samples of it, each labelled ``worker_addr``
+    with its worker's URL; ``:`` in names becomes ``_``. A sample belongs to the family declared
+    last before it when its name is that family's, or that with a suffix of a sample of one (a
+    histogram's ``_bucket``, ``_sum``, ``_count``, ...), to a family of its own otherwise."""
+    families: dict[str, tuple[list[str], list[str]]] = {}  # name: (HELP/TYPE lines, samples)
+    for url, text in answers:
+        worker = 'worker_addr="' + url.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        family = None
+        for line in text.splitlines():
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("#"):
+                parts = line.split(None, 3)
+                if len(parts) >= 3 and parts[1] in ("HELP", "TYPE"):
+                    family = parts[2].replace(":", "_")
+                    meta = families.setdefault(family, ([], []))[0]
+                    if not any(m.startswith(f"# {parts[1]} ") for m in meta):
+                        meta.append(" ".join(["#", parts[1], family, *parts[3:]]))
+                continue
+            cut = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+            name, rest = line[:cut].replace(":", "_"), line[cut:]
+            if rest.startswith("{"):
+                sep = "" if rest.startswith("{}") else ","
+                sample = name + "{" + worker + sep + rest[1:]
+            else:
+                sample = name + "{" + worker + "}" + rest
+            owner = name
+            if family is not None and name[len(family) :] in _SAMPLE_SUFFIXES:
+                owner = family if name.startswith(family) else name
+            families.setdefault(owner, ([], []))[1].append(sample)
+    lines: list[str] = []
+    for meta, samples in families.values():
+        lines += [*meta, *samples, ""]
+    return "\n".join(lines)

@@ -35,7 +35,7 @@ from smetric import GLOBAL_TIER, DataPlane, PrefixIndex
 from smetric.cluster import ClusterView, Decision
 from smetric.perf import load_profile
 from smetric.policies import Policy, PolicyConfig, SMetricConfig, make_policy
-from smetric.prom import Histogram, render_families
+from smetric.prom import Histogram, merge_worker_metrics, render_families
 from smetric.request import (
     BYTES_PER_TOKEN,
     TEXT_BLOCK_BYTES,
@@ -511,6 +511,7 @@ class Router:
         r.add_get("/get_loads", self.get_loads)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/metrics", self.metrics)
+        r.add_get("/engine_metrics", self.engine_metrics)
         r.add_get("/workers", self.list_workers_v2)
         r.add_post("/workers", self.post_worker)
         r.add_delete("/workers/{id}", self.delete_worker)
@@ -1133,6 +1134,33 @@ class Router:
                 ]
             }
         )
+
+    async def engine_metrics(self, request: web.Request) -> web.Response:
+        """Every healthy worker's ``/metrics`` in one exposition, each sample labelled with its
+        worker (``merge_worker_metrics``, as sglang-router's ``/engine_metrics``); a worker that
+        does not answer in the health check's timeout is left out, and logged."""
+        assert self.session is not None
+        session, timeout = self.session, self.config.health_check_timeout_secs
+
+        async def scrape(url: str) -> tuple[str, str] | None:
+            try:
+                async with session.get(
+                    url + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+                ) as r:
+                    if r.status == 200:
+                        return url, await r.text()
+                    log.warning("worker %s answered /metrics with %d", url, r.status)
+            except (TimeoutError, aiohttp.ClientError, OSError, UnicodeDecodeError) as e:
+                log.warning("worker %s /metrics failed: %s", url, type(e).__name__)
+            return None
+
+        urls = [w.url for w in list(self.workers.values()) if w.healthy]
+        if not urls:
+            return error_json(503, "no healthy worker")
+        answers = [a for a in await asyncio.gather(*map(scrape, urls)) if a is not None]
+        if not answers:
+            return error_json(503, "no worker answered /metrics")
+        return web.Response(text=merge_worker_metrics(answers), content_type="text/plain")
 
     async def metrics(self, request: web.Request) -> web.Response:
         with self.lock:
