@@ -286,6 +286,133 @@ def test_embeddings_rerank_and_classify_are_forwarded_as_sglang_router_does():
     with_capture(test)
 
 
+class ResponsesWorker:
+    """A fake worker with the Responses API. Like SGLang, it keeps the responses it made: a
+    request continuing one that another worker made gets a 404."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.made, self.count = name, set[str](), 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def create(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            previous = body.get("previous_response_id")
+            if previous is not None and previous not in self.made:
+                error = {"error": {"message": f"Previous response {previous} not found."}}
+                return web.json_response(error, status=404)
+            self.count += 1
+            made = f"resp_{self.name}_{self.count}"
+            self.made.add(made)
+            answer = {"id": made, "object": "response", "status": "completed", "output": []}
+            if not body.get("stream"):
+                return web.json_response(answer)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            created = {"type": "response.created", "response": {**answer, "status": "queued"}}
+            first = f"event: response.created\ndata: {json.dumps(created)}\n\n".encode()
+            await resp.write(first[:40])  # the id comes in the second piece
+            await asyncio.sleep(0.01)
+            await resp.write(first[40:])
+            done = {"type": "response.completed", "response": answer}
+            await resp.write(f"event: response.completed\ndata: {json.dumps(done)}\n\n".encode())
+            await resp.write_eof()
+            return resp
+
+        async def by_id(request: web.Request) -> web.Response:
+            made = request.match_info["id"]
+            if made not in self.made:
+                return web.json_response({"error": {"message": "not found"}}, status=404)
+            if request.method == "DELETE":
+                self.made.discard(made)
+                return web.json_response({"id": made, "deleted": True})
+            return web.json_response({"id": made, "object": "response", "status": "completed"})
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
+
+        app.router.add_post("/v1/responses", create)
+        app.router.add_get("/v1/responses/{id}", by_id)
+        app.router.add_delete("/v1/responses/{id}", by_id)
+        for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
+            app.router.add_get(path, ok)
+        return app
+
+
+def test_responses_continue_on_the_worker_holding_the_previous_one():
+    async def ask(s: aiohttp.ClientSession, base: str, body: dict) -> tuple[int, str | None]:
+        async with s.post(base + "/v1/responses", json=body) as r:
+            if r.status != 200:
+                return r.status, None
+            if not body.get("stream"):
+                return 200, (await r.json())["id"]
+            events = [json.loads(line[5:]) async for line in r.content if line.startswith(b"data:")]
+            assert [e["type"] for e in events] == ["response.created", "response.completed"]
+            return 200, events[-1]["response"]["id"]
+
+    async def main() -> None:
+        fakes, runners = [ResponsesWorker("a"), ResponsesWorker("b")], []
+        for fake in fakes:
+            runners.append(web.AppRunner(fake.app()))
+            await runners[-1].setup()
+            await web.TCPSite(runners[-1], "127.0.0.1", 0).start()
+        urls = [f"http://127.0.0.1:{r.addresses[-1][1]}" for r in runners]
+        # round_robin: without the affinity, every other turn would reach the wrong worker.
+        router, rrunner, base = await start_router(
+            RouterConfig(worker_urls=urls, policy="round_robin")
+        )
+        try:
+            async with aiohttp.ClientSession() as s:
+                chains = []
+                for _ in range(2):
+                    previous = None
+                    made = []
+                    for turn in range(5):
+                        body = {"model": "m", "input": f"turn {turn}", "stream": turn % 2 == 1}
+                        if previous is not None:
+                            body["previous_response_id"] = previous
+                        status, previous = await ask(s, base, body)
+                        assert status == 200 and previous is not None
+                        made.append(previous)
+                    chains.append(made)
+                for made in chains:  # each chain on one worker, the two on different ones
+                    assert len({m.rsplit("_", 1)[0] for m in made}) == 1
+                assert chains[0][0].rsplit("_", 1)[0] != chains[1][0].rsplit("_", 1)[0]
+                last = chains[0][-1]
+                async with s.get(
+                    base + f"/v1/responses/{last}",
+                    headers={"X-Request-ID": "r-7", "Authorization": "Bearer k"},
+                ) as r:
+                    assert r.status == 200 and (await r.json())["id"] == last
+                    assert r.headers["X-Request-ID"] == "r-7" and "Authorization" not in r.headers
+                async with s.delete(base + f"/v1/responses/{last}") as r:
+                    assert r.status == 200
+                async with s.get(base + f"/v1/responses/{last}") as r:
+                    assert r.status == 404  # gone from its worker, forgotten by the router
+                assert last not in router._responses
+                unknown = {"model": "m", "input": "x", "previous_response_id": "resp_nobody"}
+                assert (await ask(s, base, unknown))[0] == 404  # the worker's own answer
+                for bad in (b"{", b"[]"):
+                    async with s.post(base + "/v1/responses", data=bad) as r:
+                        assert r.status == 400 and (await r.json())["error"]["code"] == 400
+                # The worker holding a chain goes away: its next turn fails clearly, and is
+                # not sent to a worker that would not know it.
+                owner = 0 if chains[1][-1].startswith("resp_a") else 1
+                await runners[owner].cleanup()
+                body = {"model": "m", "input": "more", "previous_response_id": chains[1][-1]}
+                async with s.post(base + "/v1/responses", json=body) as r:
+                    assert r.status == 503
+                    assert "holding the previous response" in (await r.json())["error"]["message"]
+                assert fakes[1 - owner].count == 5
+        finally:
+            await rrunner.close()
+            for runner in runners:
+                await runner.cleanup()
+
+    asyncio.run(main())
+
+
 def test_bodies_are_forwarded_byte_for_byte_and_request_ids_echoed():
     # Odd spacing, an escape, an unknown field and max_tokens: all must reach the worker as sent.
     raw = (

@@ -169,13 +169,14 @@ def _session_key(headers: Mapping[str, str] | None) -> str | None:
 
 
 def view_unkeyed(
-    api: str, body_bytes: int, headers: Mapping[str, str] | None = None
+    api: str, body_bytes: int, headers: Mapping[str, str] | None = None, stream: bool = False
 ) -> RequestView:
-    """A request with no prompt to key (embeddings, rerank, classification): no blocks, so no
-    policy finds a hit for it and each balances it; its size estimated from its body's."""
+    """A request with no prompt to key (embeddings, rerank, classification, the Responses API):
+    no blocks, so no policy finds a hit for it and each balances it; its size estimated from its
+    body's."""
     tokens = text_prompt_tokens(body_bytes)
     key = PromptKey(hash_text(b"", TEXT_BLOCK_BYTES), tokens, _TEXT_BLOCK_TOKENS)
-    return RequestView(api, key, 0, False, _session_key(headers), None)
+    return RequestView(api, key, 0, stream, _session_key(headers), None)
 
 
 def view_body(api: str, raw: bytes, headers: Mapping[str, str] | None = None) -> RequestView | None:

@@ -23,7 +23,7 @@ import os
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -71,6 +71,37 @@ OTHER_ROUTES = {
 the worker's path (its ``/rerank`` goes to ``/v1/rerank``). Served by the aiohttp application
 (the Rust data plane hands it every route but generation): no prompt to key, so each policy
 balances them (``view_unkeyed``), with generation's retries, accounting and metrics."""
+RESPONSE_AFFINITY = "previous_response"
+"""The reason of a Responses API request sent to the worker holding its previous response."""
+MAX_RESPONSES = 1_000_000
+"""Response ids remembered with the worker that made each, the least recent forgotten first."""
+RESPONSE_ID_SCAN_BYTES = 64 << 10
+"""How much of an answer is searched for its response id."""
+
+
+def response_id(data: bytes, stream: bool) -> str | None:
+    """The id of a Responses API answer, from its first bytes: a whole answer's ``id``, or the
+    ``response.id`` of a stream's first event with one (``response.created``); None until the
+    bytes hold it."""
+    if not stream:
+        try:
+            body = loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None
+        rid = body.get("id") if isinstance(body, dict) else None
+        return rid if isinstance(rid, str) and rid else None
+    for line in data.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            event = loads(line[5:])
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            continue  # the line is not whole yet, or not JSON
+        if isinstance(event, dict) and isinstance(event.get("response"), dict):
+            rid = event["response"].get("id")
+            if isinstance(rid, str) and rid:
+                return rid
+    return None
 
 
 class Retry(Exception):
@@ -143,6 +174,7 @@ class Exchange:
         "decision",
         "hit",
         "last_error",
+        "learn",
         "open",
         "path",
         "pinned",
@@ -189,6 +221,9 @@ class Exchange:
         self.hit = self.uncached = self.status = 0
         self.open = self.prefilled = False
         self.attempt_t0 = 0.0
+        self.learn: Callable[[bytes], bool] | None = None
+        """Shown the first bytes of a 200 answer until it returns True (the Responses API's
+        response ids: ``Router.handle_responses``); aiohttp data plane only."""
 
     def next(self) -> Attempt | None:
         """The next attempt: the worker's URL, the headers to send it, and the headers for the
@@ -235,7 +270,12 @@ class Exchange:
 
     def refusal(self) -> tuple[int, bytes]:
         """The answer when no attempt is left: 503, with the last failure."""
-        what = "decode worker failed" if self.pinned else "no worker could serve the request"
+        if self.pinned is None:
+            what = "no worker could serve the request"
+        elif self.pinned[1].reason == RESPONSE_AFFINITY:
+            what = "the worker holding the previous response failed"
+        else:
+            what = "decode worker failed"
         return 503, self.router._refuse(self.view.api, 503, f"{what}: {self.last_error}")
 
     def failed(self, reason: str) -> float | None:
@@ -460,6 +500,8 @@ class Router:
         self.prefix_hit_tokens = 0
         self.ttft = Histogram(Histogram.TTFT_BUCKETS)
         self.e2e = Histogram(Histogram.E2E_BUCKETS)
+        self._responses: OrderedDict[str, str] = OrderedDict()
+        """Responses API ids, each with the URL of the worker that made it (it alone holds it)."""
         self._booked: Callable[[], list[Booked] | None] | None = None
         """The Rust data plane's queue of booking steps (``DataPlane.booked``), while one runs."""
         self.plane: DataPlane | None = None
@@ -501,6 +543,11 @@ class Router:
             r.add_post(path, self.handle_generation)
         for path in OTHER_ROUTES:
             r.add_post(path, self.handle_other)
+        r.add_post("/v1/responses", self.handle_responses)
+        r.add_get("/v1/responses/{id}", self.handle_response_by_id)
+        r.add_delete("/v1/responses/{id}", self.handle_response_by_id)
+        r.add_post("/v1/responses/{id}/cancel", self.handle_response_by_id)
+        r.add_get("/v1/responses/{id}/input_items", self.handle_response_by_id)
         r.add_get("/health", self.health)
         r.add_get("/liveness", self.health)
         r.add_get("/readiness", self.readiness)
@@ -839,6 +886,108 @@ class Router:
         view = view_unkeyed(api, len(raw), request.headers)
         return await self._drive(request, raw, Exchange(self, view, path, rid, t0, request.headers))
 
+    async def handle_responses(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API (``POST /v1/responses``), forwarded byte for byte. A worker keeps
+        the responses it made, so a request that continues one (``previous_response_id``) goes
+        to the worker that made it, if it is still registered (one attempt: no other worker
+        holds it); any other is balanced by the policy (``view_unkeyed``). Each answer's id is
+        remembered with its worker (``response_id``)."""
+        rid = self._request_id(request.headers)
+        t0 = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(
+                "responses", error_json(413, "request body exceeds --max-payload-size")
+            )
+        try:
+            body = loads(raw)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            body = None
+        if not isinstance(body, dict):
+            message = "request body must be a JSON object"
+            return web.Response(
+                body=self._refuse("responses", 400, message),
+                status=400,
+                content_type="application/json",
+            )
+        if self.config.pd_disaggregation:
+            return self._count(
+                "responses", error_json(503, "/v1/responses is not served in PD mode")
+            )
+        stream = body.get("stream") is True
+        view = view_unkeyed("responses", len(raw), request.headers, stream)
+        pinned = None
+        previous = body.get("previous_response_id")
+        if isinstance(previous, str):
+            with self.lock:
+                owner = self.workers.get(self._responses.get(previous, ""))
+            if owner is not None:
+                pinned = (owner, Decision(0, RESPONSE_AFFINITY))
+        ex = Exchange(self, view, "/v1/responses", rid, t0, request.headers, pinned)
+        seen = bytearray()
+
+        def learn(data: bytes) -> bool:
+            seen.extend(data)
+            made = response_id(bytes(seen), stream)
+            if made is not None and ex.worker is not None:
+                self._remember_response(made, ex.worker.url)
+            return made is not None or len(seen) > RESPONSE_ID_SCAN_BYTES
+
+        ex.learn = learn
+        return await self._drive(request, raw, ex)
+
+    def _remember_response(self, response: str, url: str) -> None:
+        with self.lock:
+            self._responses[response] = url
+            self._responses.move_to_end(response)
+            while len(self._responses) > MAX_RESPONSES:
+                self._responses.popitem(last=False)
+
+    async def handle_response_by_id(self, request: web.Request) -> web.StreamResponse:
+        """A stored response (get it, its input items, cancel or delete it): to the worker that
+        made it, or to any worker where the router does not know it (that worker's 404 then)."""
+        assert self.session is not None
+        response = request.match_info["id"]
+        with self.lock:
+            worker = self.workers.get(self._responses.get(response, ""))
+        if worker is None:
+            worker = self._any_worker()
+        if worker is None:
+            return self._count("responses", error_json(503, "no healthy worker"))
+        raw = await request.read()
+        echo = {"X-Request-ID": self._request_id(request.headers)}
+        headers = dict(echo)
+        for name in ("Content-Type", "Authorization"):
+            if name in request.headers:
+                headers[name] = request.headers[name]
+        resp = web.StreamResponse()
+        try:
+            async with self.session.request(
+                request.method,
+                worker.url + request.path_qs,
+                data=raw or None,
+                headers=headers,
+                timeout=self._upstream_timeout,
+            ) as up:
+                resp = web.StreamResponse(status=up.status, headers=echo)
+                resp.content_type = up.headers.get("Content-Type", "application/json").split(";")[0]
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                if request.method == "DELETE" and up.status == 200:
+                    with self.lock:
+                        self._responses.pop(response, None)
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            if not resp.prepared:
+                return self._count(
+                    "responses", error_json(502, f"worker {worker.url} failed: {type(e).__name__}")
+                )
+        with self.lock:
+            self.requests[("responses", resp.status)] += 1
+        return resp
+
     def _count(self, api: str, resp: web.StreamResponse) -> web.StreamResponse:
         with self.lock:
             self.requests[(api, resp.status)] += 1
@@ -919,6 +1068,8 @@ class Router:
                 ctype = up.headers.get("Content-Type", "application/json").split(";")[0]
                 if not (ex.stream and up.status == 200):
                     data = await up.read()
+                    if ex.learn is not None and up.status == 200:
+                        ex.learn(data)
                     ex.whole(up.status, record=True)
                     return web.Response(
                         body=data, status=up.status, headers=reply, content_type=ctype
@@ -928,6 +1079,8 @@ class Router:
                 # SSE events seen and when the first and last came, for the TPOT correction.
                 events, t_first, t_last = 0, 0.0, 0.0
                 async for chunk in up.content.iter_any():
+                    if ex.learn is not None and ex.learn(chunk):
+                        ex.learn = None
                     if not sent:
                         await _downstream(resp.prepare(request))
                         sent = True
