@@ -413,6 +413,16 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
     asyncio.run(main())
 
 
+def test_a_response_id_is_read_from_a_whole_answer_or_a_streams_first_event_with_one():
+    assert app_module.response_id(b'{"id": "resp_1", "output": []}', False) == "resp_1"
+    for whole in (b"{", b'{"id": 5}', b"[]", b'{"object": "response"}'):
+        assert app_module.response_id(whole, False) is None
+    event = b'event: response.created\ndata: {"type": "response.created", "response": {"id": "r9"}}'
+    assert app_module.response_id(event[:-3], True) is None  # the line is not whole yet
+    assert app_module.response_id(b"event: x\ndata: {}\n\n" + event + b"\n\n", True) == "r9"
+    assert app_module.response_id(b'data: {"id": "top"}\n\n', True) is None
+
+
 def test_bodies_are_forwarded_byte_for_byte_and_request_ids_echoed():
     # Odd spacing, an escape, an unknown field and max_tokens: all must reach the worker as sent.
     raw = (

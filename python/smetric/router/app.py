@@ -925,14 +925,21 @@ class Router:
             if owner is not None:
                 pinned = (owner, Decision(0, RESPONSE_AFFINITY))
         ex = Exchange(self, view, "/v1/responses", rid, t0, request.headers, pinned)
-        seen = bytearray()
+        line = bytearray()  # a stream's line not yet whole
+        scanned = [0]
 
         def learn(data: bytes) -> bool:
-            seen.extend(data)
-            made = response_id(bytes(seen), stream)
+            if stream:  # each whole line read once
+                line.extend(data)
+                end = line.rfind(b"\n") + 1
+                made = response_id(bytes(line[:end]), True) if end else None
+                del line[:end]
+            else:
+                made = response_id(data, False)
+            scanned[0] += len(data)
             if made is not None and ex.worker is not None:
                 self._remember_response(made, ex.worker.url)
-            return made is not None or len(seen) > RESPONSE_ID_SCAN_BYTES
+            return made is not None or scanned[0] > RESPONSE_ID_SCAN_BYTES
 
         ex.learn = learn
         return await self._drive(request, raw, ex)
