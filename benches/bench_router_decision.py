@@ -15,6 +15,9 @@ Three paths, measured in one session so that their comparison survives a noisy m
   shared system prompt held anywhere), with loads changing as in ``router-churn`` (the body is
   the same every time): SMetric balances it over every worker's predicted cost instead of
   sticking, each worker with its own TTFT correction as in a router that has seen answers.
+
+``test_machine_gauge`` times fixed plain-Python work beside them: its median over its minimum says
+how much of the run the host slowed this VM (up to 2x), which every median here shares.
 """
 
 from __future__ import annotations
@@ -141,6 +144,22 @@ def route(router: Router, raw: bytes) -> tuple[list[Worker], int]:
     workers = router._eligible("regular", set())
     decision = router.policy.select(view, router._snapshot(view, workers))
     return workers, decision.worker
+
+
+def machine_gauge() -> int:
+    """Fixed work in plain Python (no I/O, no allocation to speak of): what it takes here is the
+    machine's speed alone."""
+    total = 0
+    for i in range(2000):
+        total += i * i
+    return total
+
+
+def test_machine_gauge(benchmark):
+    """Not the router: a gauge of the machine. On this project's VM its minimum stays put while
+    its median moves with how much of the run the host slowed it (up to twice the minimum), and
+    every median in this file moves with it: read them against its median over its minimum."""
+    assert benchmark(machine_gauge) == sum(i * i for i in range(2000))
 
 
 @pytest.mark.parametrize("path", ["reference", "router", "router-churn", "router-first-turn"])
