@@ -12,7 +12,9 @@ one right after the other, 1 KB to 512 KB prompts), time to the first
 streamed chunk, throughput at concurrency 64 with ``wrk`` (1 KB prompts, streaming and not) with
 the router's CPU time per request, and the router's memory after many distinct 16 KB prompts.
 smetric runs twice: with its Rust data plane (the default) and with ``--data-plane aiohttp``.
-Prints a markdown table and writes JSON next to it (``.bench/router_vs_sglang.json``).
+Before and after each router it times fixed plain-Python work (``machine_slowdown``): how much
+the host was slowing this VM meanwhile. Prints a markdown table and writes JSON next to it
+(``.bench/router_vs_sglang.json``).
 """
 
 from __future__ import annotations
@@ -163,9 +165,23 @@ async def flood(url: str, n: int, size: int, concurrency: int = 64) -> None:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
+def machine_slowdown(runs: int = 3000) -> float:
+    """Fixed plain-Python work timed many times: its median over its minimum, how much the host
+    was slowing this VM meanwhile (1.0: not at all; up to about 2 on this project's VM)."""
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        total = 0
+        for i in range(2000):
+            total += i * i
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / min(times)
+
+
 def measure(name: str, url: str, pid: int, direct: str, quick: bool) -> dict[str, object]:
     n_lat = 100 if quick else 300
     res: dict[str, object] = {"router": name}
+    slowdown = [machine_slowdown()]
     for label, size in SIZES.items():
         payloads = [body(size, i) for i in range(n_lat)]
         added = statistics.median(asyncio.run(added_latencies(url, direct, payloads)))
@@ -186,6 +202,8 @@ def measure(name: str, url: str, pid: int, direct: str, quick: bool) -> dict[str
     asyncio.run(flood(url, n_mem, 16 << 10))
     res[f"rss_mb after {n_mem} x 16 KB prompts"] = round(rss_mb(pid))
     res["flood_s"] = round(time.perf_counter() - t0, 1)
+    slowdown.append(machine_slowdown())
+    res["machine slowdown before, after"] = " ".join(f"{x:.2f}" for x in slowdown)
     return res
 
 
