@@ -20,7 +20,7 @@ from smetric.emulator import EmulatedCluster
 from smetric.perf import PRESETS
 from smetric.policies import POLICIES
 from smetric.prom import merge_worker_metrics
-from smetric.request import view_request
+from smetric.request import view_request, view_unkeyed
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
 from smetric.router import app as app_module
 from smetric.router.app import Exchange
@@ -292,11 +292,13 @@ class ResponsesWorker:
 
     def __init__(self, name: str) -> None:
         self.name, self.made, self.count = name, set[str](), 0
+        self.posts, self.auth = 0, list[str | None]()
 
     def app(self) -> web.Application:
         app = web.Application()
 
         async def create(request: web.Request) -> web.StreamResponse:
+            self.posts += 1
             body = await request.json()
             previous = body.get("previous_response_id")
             if previous is not None and previous not in self.made:
@@ -321,6 +323,7 @@ class ResponsesWorker:
             return resp
 
         async def by_id(request: web.Request) -> web.Response:
+            self.auth.append(request.headers.get("Authorization"))
             made = request.match_info["id"]
             if made not in self.made:
                 return web.json_response({"error": {"message": "not found"}}, status=404)
@@ -386,6 +389,7 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
                 ) as r:
                     assert r.status == 200 and (await r.json())["id"] == last
                     assert r.headers["X-Request-ID"] == "r-7" and "Authorization" not in r.headers
+                assert "Bearer k" in fakes[0].auth + fakes[1].auth  # passed to the worker
                 async with s.delete(base + f"/v1/responses/{last}") as r:
                     assert r.status == 200
                 async with s.get(base + f"/v1/responses/{last}") as r:
@@ -401,10 +405,12 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
                 owner = 0 if chains[1][-1].startswith("resp_a") else 1
                 await runners[owner].cleanup()
                 body = {"model": "m", "input": "more", "previous_response_id": chains[1][-1]}
+                posts = fakes[1 - owner].posts
                 async with s.post(base + "/v1/responses", json=body) as r:
                     assert r.status == 503
-                    assert "holding the previous response" in (await r.json())["error"]["message"]
-                assert fakes[1 - owner].count == 5
+                    message = (await r.json())["error"]["message"]
+                    assert f"holding the previous response ({urls[owner]})" in message
+                assert fakes[1 - owner].posts == posts  # not tried on the other worker
         finally:
             await rrunner.close()
             for runner in runners:
@@ -1589,6 +1595,23 @@ def test_settling_books_each_step_at_the_time_it_happened(caplog):
     assert router.requests[("generate", 200)] == 1
     assert router.index.match_instance(url, view.key.keys, touch=False)  # recorded
     assert "booking failed rid=rid-broken step=whole" in caplog.text
+
+
+def test_answers_without_tokens_teach_the_policy_and_the_ttft_histogram_nothing():
+    # A Responses stream's first event comes before any prefill is done: timed as a first token,
+    # it would pull SMetric's TTFT correction for that worker down to its floor.
+    router = Router(RouterConfig(policy="smetric"))
+    url = "http://127.0.0.1:9"
+    router._admit(Worker(url))
+    for api in ("responses", "generate"):
+        view = view_unkeyed(api, 4000, stream=True)
+        ex = Exchange(router, view, "/v1/responses", f"rid-{api}", time.perf_counter() - 0.3, {})
+        assert ex.next() is not None
+        ex.streaming(200)
+        ex.end("ok", 20, 0.5)
+        observed = (router.ttft.count, len(router.policy.slo._ttft), len(router.policy.slo._tpot))
+        assert observed == ((0, 0, 0) if api == "responses" else (1, 1, 1))
+    assert router.e2e.count == 2 and router.workers[url].in_flight == 0
 
 
 def test_concurrent_requests_each_get_their_own_answer_and_accounting():

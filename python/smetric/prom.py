@@ -152,7 +152,8 @@ def merge_worker_metrics(answers: Sequence[tuple[str, str]]) -> str:
                     if not any(m.startswith(f"# {parts[1]} ") for m in meta):
                         meta.append(" ".join(["#", parts[1], family, *parts[3:]]))
                 continue
-            cut = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+            ends = (line.find("{"), line.find(" "), line.find("\t"))
+            cut = min((i for i in ends if i >= 0), default=len(line))
             name, rest = line[:cut].replace(":", "_"), line[cut:]
             if rest.startswith("{"):
                 sep = "" if rest.startswith("{}") else ","

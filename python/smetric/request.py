@@ -168,15 +168,13 @@ def _session_key(headers: Mapping[str, str] | None) -> str | None:
     return None
 
 
-def view_unkeyed(
-    api: str, body_bytes: int, headers: Mapping[str, str] | None = None, stream: bool = False
-) -> RequestView:
+def view_unkeyed(api: str, body_bytes: int, stream: bool = False) -> RequestView:
     """A request with no prompt to key (embeddings, rerank, classification, the Responses API):
-    no blocks, so no policy finds a hit for it and each balances it; its size estimated from its
-    body's."""
+    no blocks and no session key (its session headers are not its to claim), so every policy
+    balances it; its size estimated from its body's."""
     tokens = text_prompt_tokens(body_bytes)
     key = PromptKey(hash_text(b"", TEXT_BLOCK_BYTES), tokens, _TEXT_BLOCK_TOKENS)
-    return RequestView(api, key, 0, stream, _session_key(headers), None)
+    return RequestView(api, key, 0, stream, None, None)
 
 
 def view_body(api: str, raw: bytes, headers: Mapping[str, str] | None = None) -> RequestView | None:

@@ -145,10 +145,10 @@ class SMetric:
                 for u, q, n in zip(map(_URL, ws), queued, in_flight, strict=True)
             ], in_flight
         if len(ttft) == 1:
-            # One TTFT everywhere: the cost is that times requests served + 1, in the order of
-            # the requests served (a positive factor keeps it, and it is 0 or far above the
-            # smallest float, so distinct counts stay distinct).
-            return cast("list[float]", in_flight), in_flight
+            # One TTFT everywhere: the cost is that times requests served + 1, which never
+            # falls as the count grows, and the tie-breaker is the count, so the counts choose
+            # as the costs do, ties included (a copy: ``_least_loaded`` writes into the loads).
+            return cast("list[float]", in_flight[:]), in_flight
         return [ttft[q] * (n + 1) for q, n in zip(queued, in_flight, strict=True)], in_flight
 
     # ---- the decision --------------------------------------------------------------------

@@ -61,6 +61,9 @@ DEFAULT_WORKER_TOKENS = 1_000_000
 MIN_TPOT_EVENTS = 8
 """Streams shorter than this teach the TPOT correction nothing (see ``_observe_tpot``)."""
 ROUTES = {"/generate": "generate", "/v1/chat/completions": "chat", "/v1/completions": "completions"}
+GENERATION_APIS = frozenset(ROUTES.values())
+"""The APIs whose first streamed bytes are a first token: they alone teach the policy's TTFT and
+TPOT corrections and fill the TTFT histogram."""
 OTHER_ROUTES = {
     "/v1/embeddings": ("embeddings", "/v1/embeddings"),
     "/v1/rerank": ("rerank", "/v1/rerank"),
@@ -73,10 +76,11 @@ the worker's path (its ``/rerank`` goes to ``/v1/rerank``). Served by the aiohtt
 balances them (``view_unkeyed``), with generation's retries, accounting and metrics."""
 RESPONSE_AFFINITY = "previous_response"
 """The reason of a Responses API request sent to the worker holding its previous response."""
-MAX_RESPONSES = 1_000_000
-"""Response ids remembered with the worker that made each, the least recent forgotten first."""
+MAX_RESPONSES = 100_000
+"""Response ids remembered with the worker that made each (about 200 bytes each), the least
+recent forgotten first."""
 RESPONSE_ID_SCAN_BYTES = 64 << 10
-"""How much of an answer is searched for its response id."""
+"""How much of a stream is searched for its response id (a whole answer is read whole)."""
 
 
 def response_id(data: bytes, stream: bool) -> str | None:
@@ -273,7 +277,7 @@ class Exchange:
         if self.pinned is None:
             what = "no worker could serve the request"
         elif self.pinned[1].reason == RESPONSE_AFFINITY:
-            what = "the worker holding the previous response failed"
+            what = f"the worker holding the previous response ({self.pinned[0].url}) failed"
         else:
             what = "decode worker failed"
         return 503, self.router._refuse(self.view.api, 503, f"{what}: {self.last_error}")
@@ -371,6 +375,8 @@ class Exchange:
                 r._chunk_tokens,
                 mono,
             )
+            if self.view.api not in GENERATION_APIS:
+                return  # no tokens: its first bytes time nothing the model predicts
             r.ttft.observe(now - self.t0)
             observe = getattr(r.policy, "observe", None)
             if observe is not None and streamed and not r.config.pd_disaggregation:
@@ -393,7 +399,8 @@ class Exchange:
             assert w is not None and self.decision is not None
             if outcome == "ok":
                 w.record_success(c.cb_success_threshold)
-                r._observe_tpot(w, self.decision, events, span_s)
+                if self.view.api in GENERATION_APIS:
+                    r._observe_tpot(w, self.decision, events, span_s)
             elif outcome.startswith("broke"):
                 w.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
                 err = {
@@ -883,7 +890,7 @@ class Router:
             )
         if self.config.pd_disaggregation:
             return self._count(api, error_json(503, f"{request.path} is not served in PD mode"))
-        view = view_unkeyed(api, len(raw), request.headers)
+        view = view_unkeyed(api, len(raw))
         return await self._drive(request, raw, Exchange(self, view, path, rid, t0, request.headers))
 
     async def handle_responses(self, request: web.Request) -> web.StreamResponse:
@@ -916,7 +923,7 @@ class Router:
                 "responses", error_json(503, "/v1/responses is not served in PD mode")
             )
         stream = body.get("stream") is True
-        view = view_unkeyed("responses", len(raw), request.headers, stream)
+        view = view_unkeyed("responses", len(raw), stream)
         pinned = None
         previous = body.get("previous_response_id")
         if isinstance(previous, str):
@@ -925,6 +932,10 @@ class Router:
             if owner is not None:
                 pinned = (owner, Decision(0, RESPONSE_AFFINITY))
         ex = Exchange(self, view, "/v1/responses", rid, t0, request.headers, pinned)
+        # Uncompressed, so that the answer's id can be read (and is passed on as it came).
+        ex.upstream_headers = [
+            (k, "identity" if k == "Accept-Encoding" else v) for k, v in ex.upstream_headers
+        ]
         line = bytearray()  # a stream's line not yet whole
         scanned = [0]
 
@@ -953,7 +964,9 @@ class Router:
 
     async def handle_response_by_id(self, request: web.Request) -> web.StreamResponse:
         """A stored response (get it, its input items, cancel or delete it): to the worker that
-        made it, or to any worker where the router does not know it (that worker's 404 then)."""
+        made it, or to any worker where the router does not know it (that worker's 404 then).
+        A worker that fails part-way leaves the client's connection cut, not the answer looking
+        whole."""
         assert self.session is not None
         response = request.match_info["id"]
         with self.lock:
@@ -962,9 +975,14 @@ class Router:
             worker = self._any_worker()
         if worker is None:
             return self._count("responses", error_json(503, "no healthy worker"))
-        raw = await request.read()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(
+                "responses", error_json(413, "request body exceeds --max-payload-size")
+            )
         echo = {"X-Request-ID": self._request_id(request.headers)}
-        headers = dict(echo)
+        headers = {**echo, "Accept-Encoding": "identity"}
         for name in ("Content-Type", "Authorization"):
             if name in request.headers:
                 headers[name] = request.headers[name]
@@ -977,20 +995,23 @@ class Router:
                 headers=headers,
                 timeout=self._upstream_timeout,
             ) as up:
+                if request.method == "DELETE" and up.status == 200:
+                    with self.lock:
+                        self._responses.pop(response, None)
                 resp = web.StreamResponse(status=up.status, headers=echo)
                 resp.content_type = up.headers.get("Content-Type", "application/json").split(";")[0]
                 await resp.prepare(request)
                 async for chunk in up.content.iter_any():
                     await resp.write(chunk)
                 await resp.write_eof()
-                if request.method == "DELETE" and up.status == 200:
-                    with self.lock:
-                        self._responses.pop(response, None)
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if not resp.prepared:
                 return self._count(
                     "responses", error_json(502, f"worker {worker.url} failed: {type(e).__name__}")
                 )
+            log.warning("response %s from %s broke: %s", response, worker.url, type(e).__name__)
+            if request.transport is not None:
+                request.transport.close()
         with self.lock:
             self.requests[("responses", resp.status)] += 1
         return resp
