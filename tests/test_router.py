@@ -330,6 +330,13 @@ class ResponsesWorker:
             if request.method == "DELETE":
                 self.made.discard(made)
                 return web.json_response({"id": made, "deleted": True})
+            if request.query.get("stream") == "true":  # a replay that breaks part-way
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                await resp.write(b"event: response.created\ndata: {}\n\n")
+                assert request.transport is not None
+                request.transport.close()
+                return resp
             return web.json_response({"id": made, "object": "response", "status": "completed"})
 
         async def ok(request: web.Request) -> web.Response:
@@ -390,6 +397,10 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
                     assert r.status == 200 and (await r.json())["id"] == last
                     assert r.headers["X-Request-ID"] == "r-7" and "Authorization" not in r.headers
                 assert "Bearer k" in fakes[0].auth + fakes[1].auth  # passed to the worker
+                async with s.get(base + f"/v1/responses/{last}?stream=true") as r:
+                    assert r.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError):  # cut, not ended cleanly
+                        await r.read()
                 async with s.delete(base + f"/v1/responses/{last}") as r:
                     assert r.status == 200
                 async with s.get(base + f"/v1/responses/{last}") as r:
