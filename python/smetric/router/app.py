@@ -875,6 +875,19 @@ class Router:
         api, path = OTHER_ROUTES[request.path]
         rid = self._request_id(request.headers)
         t0 = time.perf_counter()
+        read = await self._read_object(request, api)
+        if isinstance(read, web.StreamResponse):
+            return read
+        raw, _ = read
+        view = view_unkeyed(api, len(raw))
+        return await self._drive(request, raw, Exchange(self, view, path, rid, t0, request.headers))
+
+    async def _read_object(
+        self, request: web.Request, api: str
+    ) -> tuple[bytes, dict[str, Any]] | web.StreamResponse:
+        """The body of a request that is forwarded whole (``OTHER_ROUTES``, the Responses API)
+        and what it parses to; or the answer (counted): 413 past ``--max-payload-size``, 400 if
+        it is not a JSON object, 503 in PD mode (those requests are not served there)."""
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
@@ -890,8 +903,7 @@ class Router:
             )
         if self.config.pd_disaggregation:
             return self._count(api, error_json(503, f"{request.path} is not served in PD mode"))
-        view = view_unkeyed(api, len(raw))
-        return await self._drive(request, raw, Exchange(self, view, path, rid, t0, request.headers))
+        return raw, body
 
     async def handle_responses(self, request: web.Request) -> web.StreamResponse:
         """The Responses API (``POST /v1/responses``), forwarded byte for byte. A worker keeps
@@ -901,27 +913,10 @@ class Router:
         remembered with its worker (``response_id``)."""
         rid = self._request_id(request.headers)
         t0 = time.perf_counter()
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._count(
-                "responses", error_json(413, "request body exceeds --max-payload-size")
-            )
-        try:
-            body = loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            body = None
-        if not isinstance(body, dict):
-            message = "request body must be a JSON object"
-            return web.Response(
-                body=self._refuse("responses", 400, message),
-                status=400,
-                content_type="application/json",
-            )
-        if self.config.pd_disaggregation:
-            return self._count(
-                "responses", error_json(503, "/v1/responses is not served in PD mode")
-            )
+        read = await self._read_object(request, "responses")
+        if isinstance(read, web.StreamResponse):
+            return read
+        raw, body = read
         stream = body.get("stream") is True
         view = view_unkeyed("responses", len(raw), stream)
         pinned = None
