@@ -286,6 +286,17 @@ def test_embeddings_rerank_and_classify_are_forwarded_as_sglang_router_does():
     with_capture(test)
 
 
+def test_bodies_forwarded_whole_past_the_payload_limit_get_a_413_json_and_reach_no_worker():
+    async def test(bed: Bed, capture: CaptureWorker):
+        big = json.dumps({"model": "m", "input": "x" * 5000}).encode()
+        for path in ("/v1/embeddings", "/v1/responses"):
+            async with bed.session.post(bed.base + path, data=big) as r:
+                assert r.status == 413 and (await r.json())["error"]["code"] == 413
+        assert capture.paths == []
+
+    with_capture(test, max_payload_size=1024)
+
+
 class ResponsesWorker:
     """A fake worker with the Responses API. Like SGLang, it keeps the responses it made: a
     request continuing one that another worker made gets a 404."""
