@@ -229,6 +229,7 @@ class CaptureWorker:
             "/v1/embeddings",
             "/v1/rerank",
             "/v1/classify",
+            "/v1/responses",
         ):
             app.router.add_post(path, generate)
         for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
@@ -328,6 +329,14 @@ class ResponsesWorker:
             await resp.write(first[:40])  # the id comes in the second piece
             await asyncio.sleep(0.01)
             await resp.write(first[40:])
+            if body.get("break"):
+                assert request.transport is not None
+                request.transport.close()
+                return resp
+            delta = {"type": "response.output_text.delta", "delta": "ok"}
+            await resp.write(
+                f"event: response.output_text.delta\ndata: {json.dumps(delta)}\n\n".encode()
+            )
             done = {"type": "response.completed", "response": answer}
             await resp.write(f"event: response.completed\ndata: {json.dumps(done)}\n\n".encode())
             await resp.write_eof()
@@ -369,7 +378,8 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
             if not body.get("stream"):
                 return 200, (await r.json())["id"]
             events = [json.loads(line[5:]) async for line in r.content if line.startswith(b"data:")]
-            assert [e["type"] for e in events] == ["response.created", "response.completed"]
+            kinds = ["response.created", "response.output_text.delta", "response.completed"]
+            assert [e["type"] for e in events] == kinds
             return 200, events[-1]["response"]["id"]
 
     async def main() -> None:
@@ -422,6 +432,15 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
                 for bad in (b"{", b"[]"):
                     async with s.post(base + "/v1/responses", data=bad) as r:
                         assert r.status == 400 and (await r.json())["error"]["code"] == 400
+                broken = {"model": "m", "input": "x", "stream": True, "break": True}
+                async with s.post(base + "/v1/responses", json=broken) as r:
+                    assert r.status == 200
+                    with pytest.raises(aiohttp.ClientPayloadError):  # cut, not ended cleanly
+                        await r.read()
+                router.settle()
+                assert all(
+                    w.in_flight == w.queued_prefill_tokens == 0 for w in router.workers.values()
+                )
                 # The worker holding a chain goes away: its next turn fails clearly, and is
                 # not sent to a worker that would not know it.
                 owner = 0 if chains[1][-1].startswith("resp_a") else 1
@@ -1625,15 +1644,22 @@ def test_answers_without_tokens_teach_the_policy_and_the_ttft_histogram_nothing(
     router = Router(RouterConfig(policy="smetric"))
     url = "http://127.0.0.1:9"
     router._admit(Worker(url))
+    w = router.workers[url]
     for api in ("responses", "generate"):
         view = view_unkeyed(api, 4000, stream=True)
         ex = Exchange(router, view, "/v1/responses", f"rid-{api}", time.perf_counter() - 0.3, {})
         assert ex.next() is not None
         ex.streaming(200)
+        # A Responses stream's first event is no sign its prefill is done: it stays queued
+        # until an output event says so (``handle_responses``); a generation stream's is.
+        queued = (w.queued_prefill_tokens, w.running_decode_tokens)
+        tokens = view.prompt_tokens
+        assert queued == ((tokens, 0) if api == "responses" else (0, tokens))
         ex.end("ok", 20, 0.5)
         observed = (router.ttft.count, len(router.policy.slo._ttft), len(router.policy.slo._tpot))
         assert observed == ((0, 0, 0) if api == "responses" else (1, 1, 1))
-    assert router.e2e.count == 2 and router.workers[url].in_flight == 0
+        assert (w.in_flight, w.queued_prefill_tokens, w.running_decode_tokens) == (0, 0, 0)
+    assert router.e2e.count == 2
 
 
 def test_concurrent_requests_each_get_their_own_answer_and_accounting():

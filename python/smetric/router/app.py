@@ -24,7 +24,7 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -83,6 +83,18 @@ RESPONSE_ID_SCAN_BYTES = 64 << 10
 """How much of a stream is searched for its response id (a whole answer is read whole)."""
 
 
+def sse_events(data: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON objects of the whole ``data:`` lines in ``data`` (others skipped)."""
+    for line in data.split(b"\n"):
+        if line.startswith(b"data:"):
+            try:
+                event = loads(line[5:])
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                continue  # the line is not whole yet, or not JSON
+            if isinstance(event, dict):
+                yield event
+
+
 def response_id(data: bytes, stream: bool) -> str | None:
     """The id of a Responses API answer, from its first bytes: a whole answer's ``id``, or the
     ``response.id`` of a stream's first event with one (``response.created``); None until the
@@ -94,18 +106,17 @@ def response_id(data: bytes, stream: bool) -> str | None:
             return None
         rid = body.get("id") if isinstance(body, dict) else None
         return rid if isinstance(rid, str) and rid else None
-    for line in data.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        try:
-            event = loads(line[5:])
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            continue  # the line is not whole yet, or not JSON
-        if isinstance(event, dict) and isinstance(event.get("response"), dict):
+    for event in sse_events(data):
+        if isinstance(event.get("response"), dict):
             rid = event["response"].get("id")
             if isinstance(rid, str) and rid:
                 return rid
     return None
+
+
+RESPONSE_WAITING_EVENTS = frozenset(("response.created", "response.queued", "response.in_progress"))
+"""A Responses stream's events that come before its output: its first other event marks the end
+of its prefill."""
 
 
 class Retry(Exception):
@@ -346,10 +357,12 @@ class Exchange:
 
     def streaming(self, status: int, record: bool = False, at: float | None = None) -> None:
         """A stream's first chunk arrived: ``answered`` and ``first_token`` (and ``record``, if
-        asked)."""
+        asked). A stream of another API than generation may begin before its prefill ends (the
+        Responses API's first events): whoever reads its events calls ``first_token``."""
         with self.router.lock:
             self.answered(status)
-            self.first_token(True, at)
+            if self.view.api in GENERATION_APIS:
+                self.first_token(True, at)
         if record:
             self.record()
 
@@ -426,7 +439,7 @@ class Exchange:
         self.open = False
         w.finished(self.prefilled, self.uncached, self.view.prompt_tokens)
         e2e = (time.perf_counter() if at is None else at) - self.t0
-        if self.prefilled:
+        if self.prefilled or self.status:  # answered (a stream's prefill may not be seen done)
             r.e2e.observe(e2e)
         if log.isEnabledFor(logging.INFO):
             log.info(
@@ -933,19 +946,28 @@ class Router:
         ]
         line = bytearray()  # a stream's line not yet whole
         scanned = [0]
+        found = [False, not stream]  # its id; its first output (a whole answer's is its end)
 
         def learn(data: bytes) -> bool:
-            if stream:  # each whole line read once
+            made = None
+            if not stream:
+                made = response_id(data, False)
+            else:  # each whole line read once
                 line.extend(data)
                 end = line.rfind(b"\n") + 1
-                made = response_id(bytes(line[:end]), True) if end else None
+                for event in sse_events(bytes(line[:end])):
+                    if made is None and not found[0] and isinstance(event.get("response"), dict):
+                        rid = event["response"].get("id")
+                        made = rid if isinstance(rid, str) and rid else None
+                    if not found[1] and event.get("type") not in RESPONSE_WAITING_EVENTS:
+                        found[1] = True
+                        ex.first_token(True)
                 del line[:end]
-            else:
-                made = response_id(data, False)
             scanned[0] += len(data)
             if made is not None and ex.worker is not None:
+                found[0] = True
                 self._remember_response(made, ex.worker.url)
-            return made is not None or scanned[0] > RESPONSE_ID_SCAN_BYTES
+            return all(found) or scanned[0] > RESPONSE_ID_SCAN_BYTES
 
         ex.learn = learn
         return await self._drive(request, raw, ex)
@@ -959,7 +981,8 @@ class Router:
 
     async def handle_response_by_id(self, request: web.Request) -> web.StreamResponse:
         """A stored response (get it, its input items, cancel or delete it): to the worker that
-        made it, or to any worker where the router does not know it (that worker's 404 then).
+        made it, or to any worker where the router does not know it (that worker's 404 then; in
+        PD mode, where none is made through the router, a decode worker's).
         A worker that fails part-way leaves the client's connection cut, not the answer looking
         whole."""
         assert self.session is not None
@@ -1127,8 +1150,13 @@ class Router:
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             if not sent:
                 raise Retry(f"{type(e).__name__}: {e}") from e
-            # Part of the stream reached the client: end it with a clean error event.
+            # Part of the stream reached the client: end it with a clean error event, where
+            # the API has one (generation's SSE); elsewhere cut it, so it cannot look whole.
             tail = ex.end(f"broke:{type(e).__name__}")
+            if ex.view.api not in GENERATION_APIS:
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
             with contextlib.suppress(Exception):
                 await resp.write(tail)
                 await resp.write_eof()
