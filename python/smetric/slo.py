@@ -236,13 +236,9 @@ class SLOModel:
     ) -> float:
         """One decode step once this request joins the batch."""
         step = self.profile.decode_step_s(decode_batch + 1, decode_context_tokens + prompt_tokens)
-        return step * self._factor(self._tpot, url)
+        return step * self.tpot_correction(url)
 
     # ---- online correction ---------------------------------------------------------------
-
-    def _factor(self, table: dict[str, _Correction], url: str) -> float:
-        c = table.get(url)
-        return 1.0 if c is None else _decayed(c, self.clock())
 
     def note_dispatch(self, url: str) -> None:
         """A request was sent to the instance (for its arrival rate, and for the TTFT
@@ -292,16 +288,11 @@ class SLOModel:
         self._ttft_now[url] = c.factor
 
     def observe_tpot(self, url: str, predicted: float, observed: float) -> None:
-        """Updates an instance's TPOT correction from one streamed response."""
-        self._observe(self._tpot, url, predicted, observed)
-
-    def _observe(
-        self, table: dict[str, _Correction], url: str, predicted: float, observed: float
-    ) -> None:
+        """Updates an instance's TPOT correction from one streamed response (an average)."""
         if predicted <= 0 or observed <= 0:
             return
-        c = table.setdefault(url, _Correction())
-        current = self._factor(table, url)
+        current = self.tpot_correction(url)
+        c = self._tpot.setdefault(url, _Correction())
         raw = current * observed / predicted  # predicted already carried the current factor
         lo, hi = CORRECTION_BOUNDS
         c.factor = min(max(current + CORRECTION_WEIGHT * (raw - current), lo), hi)
@@ -323,4 +314,5 @@ class SLOModel:
 
     def tpot_correction(self, url: str) -> float:
         """Current TPOT correction factor of an instance."""
-        return self._factor(self._tpot, url)
+        c = self._tpot.get(url)
+        return 1.0 if c is None else _decayed(c, self.clock())

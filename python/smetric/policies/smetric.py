@@ -171,9 +171,7 @@ class SMetric:
     def _select(self, req: RequestView, cluster: ClusterView) -> Decision:
         if req.is_first_turn and req.session_key is None and self.config.turn_detection:
             # Said to be a first turn, and no session key to say otherwise: the hits are moot.
-            return self._with_prediction(
-                req, cluster, self._least_loaded(req, cluster), "first_turn_balance"
-            )
+            return self._balanced(req, cluster, "first_turn_balance")
         ws = cluster.workers
         hits = list(map(_HIT, ws))
         best = hits.index(max(hits))  # the first of the best (C loops: this runs per request)
@@ -199,14 +197,10 @@ class SMetric:
             first = session_blocks / q < FOLLOW_UP_HIT_FRACTION
 
         if first:
-            return self._with_prediction(
-                req, cluster, self._least_loaded(req, cluster), "first_turn_balance"
-            )
+            return self._balanced(req, cluster, "first_turn_balance")
         cand = home if home is not None else best
         if home is None and session_blocks == 0:
-            return self._with_prediction(
-                req, cluster, self._least_loaded(req, cluster), "follow_up_no_hit_balance"
-            )
+            return self._balanced(req, cluster, "follow_up_no_hit_balance")
         if not self.config.slo_gate:
             return self._with_prediction(req, cluster, cand, "stick")
 
@@ -236,6 +230,10 @@ class SMetric:
         )
         tpot = self.slo.predict_tpot_s(w.url, w.in_flight, w.running_decode_tokens, prompt)
         return ttft, tpot
+
+    def _balanced(self, req: RequestView, cluster: ClusterView, reason: str) -> Decision:
+        """The least loaded instance (``_least_loaded``), with its predictions."""
+        return self._with_prediction(req, cluster, self._least_loaded(req, cluster), reason)
 
     def _with_prediction(
         self, req: RequestView, cluster: ClusterView, i: int, reason: str

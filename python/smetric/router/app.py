@@ -106,12 +106,14 @@ def response_id(data: bytes, stream: bool) -> str | None:
             return None
         rid = body.get("id") if isinstance(body, dict) else None
         return rid if isinstance(rid, str) and rid else None
-    for event in sse_events(data):
-        if isinstance(event.get("response"), dict):
-            rid = event["response"].get("id")
-            if isinstance(rid, str) and rid:
-                return rid
-    return None
+    return next(filter(None, map(event_response_id, sse_events(data))), None)
+
+
+def event_response_id(event: dict[str, Any]) -> str | None:
+    """The id of the response a Responses stream's event carries, if it carries one."""
+    response = event.get("response")
+    rid = response.get("id") if isinstance(response, dict) else None
+    return rid if isinstance(rid, str) and rid else None
 
 
 RESPONSE_WAITING_EVENTS = frozenset(("response.created", "response.queued", "response.in_progress"))
@@ -895,16 +897,22 @@ class Router:
         view = view_unkeyed(api, len(raw))
         return await self._drive(request, raw, Exchange(self, view, path, rid, t0, request.headers))
 
+    async def _read_body(self, request: web.Request, api: str) -> bytes | web.StreamResponse:
+        """A body read whole, or a 413 past ``--max-payload-size`` (counted)."""
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
+
     async def _read_object(
         self, request: web.Request, api: str
     ) -> tuple[bytes, dict[str, Any]] | web.StreamResponse:
         """The body of a request that is forwarded whole (``OTHER_ROUTES``, the Responses API)
         and what it parses to; or the answer (counted): 413 past ``--max-payload-size``, 400 if
         it is not a JSON object, 503 in PD mode (those requests are not served there)."""
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._count(api, error_json(413, "request body exceeds --max-payload-size"))
+        raw = await self._read_body(request, api)
+        if not isinstance(raw, bytes):
+            return raw
         try:
             body = loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError):
@@ -945,10 +953,10 @@ class Router:
             (k, "identity" if k == "Accept-Encoding" else v) for k, v in ex.upstream_headers
         ]
         line = bytearray()  # a stream's line not yet whole
-        scanned = [0]
-        found = [False, not stream]  # its id; its first output (a whole answer's is its end)
+        scanned, known, output = 0, False, not stream  # a whole answer's output is its end
 
         def learn(data: bytes) -> bool:
+            nonlocal scanned, known, output
             made = None
             if not stream:
                 made = response_id(data, False)
@@ -956,18 +964,17 @@ class Router:
                 line.extend(data)
                 end = line.rfind(b"\n") + 1
                 for event in sse_events(bytes(line[:end])):
-                    if made is None and not found[0] and isinstance(event.get("response"), dict):
-                        rid = event["response"].get("id")
-                        made = rid if isinstance(rid, str) and rid else None
-                    if not found[1] and event.get("type") not in RESPONSE_WAITING_EVENTS:
-                        found[1] = True
+                    if made is None and not known:
+                        made = event_response_id(event)
+                    if not output and event.get("type") not in RESPONSE_WAITING_EVENTS:
+                        output = True
                         ex.first_token(True)
                 del line[:end]
-            scanned[0] += len(data)
+            scanned += len(data)
             if made is not None and ex.worker is not None:
-                found[0] = True
+                known = True
                 self._remember_response(made, ex.worker.url)
-            return all(found) or scanned[0] > RESPONSE_ID_SCAN_BYTES
+            return (known and output) or scanned > RESPONSE_ID_SCAN_BYTES
 
         ex.learn = learn
         return await self._drive(request, raw, ex)
@@ -993,12 +1000,9 @@ class Router:
             worker = self._any_worker()
         if worker is None:
             return self._count("responses", error_json(503, "no healthy worker"))
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._count(
-                "responses", error_json(413, "request body exceeds --max-payload-size")
-            )
+        raw = await self._read_body(request, "responses")
+        if not isinstance(raw, bytes):
+            return raw
         echo = {"X-Request-ID": self._request_id(request.headers)}
         headers = {**echo, "Accept-Encoding": "identity"}
         for name in ("Content-Type", "Authorization"):
@@ -1030,9 +1034,7 @@ class Router:
             log.warning("response %s from %s broke: %s", response, worker.url, type(e).__name__)
             if request.transport is not None:
                 request.transport.close()
-        with self.lock:
-            self.requests[("responses", resp.status)] += 1
-        return resp
+        return self._count("responses", resp)
 
     def _count(self, api: str, resp: web.StreamResponse) -> web.StreamResponse:
         with self.lock:
