@@ -3,6 +3,7 @@ workers, on this machine.
 
     python benches/bench_router_vs_sglang.py            # full run (several minutes)
     python benches/bench_router_vs_sglang.py --quick    # smaller counts
+    python benches/bench_router_vs_sglang.py --pd       # PD mode: one prefill, one decode
 
 It installs sglang-router 0.3.2 into its own virtualenv (``.bench/sglang-router``), starts two
 mock workers (``benches/mock_worker.py``), then each router in turn in front of them, and measures:
@@ -12,6 +13,9 @@ one right after the other, 1 KB to 512 KB prompts), time to the first
 streamed chunk, throughput at concurrency 64 with ``wrk`` (1 KB prompts, streaming and not) with
 the router's CPU time per request, and the router's memory after many distinct 16 KB prompts.
 smetric runs twice: with its Rust data plane (the default) and with ``--data-plane aiohttp``.
+With ``--pd`` each router runs in PD mode instead (``--pd-disaggregation``, the first mock as the
+prefill worker, the second as the decode worker; the direct call goes to the decode worker) and
+the memory step is left out (``.bench/router_vs_sglang_pd.json``).
 Before and after each router it times fixed plain-Python work (``machine_slowdown``): how much
 the host was slowing this VM meanwhile. Prints a markdown table and writes JSON next to it
 (``.bench/router_vs_sglang.json``).
@@ -178,7 +182,9 @@ def machine_slowdown(runs: int = 3000) -> float:
     return statistics.median(times) / min(times)
 
 
-def measure(name: str, url: str, pid: int, direct: str, quick: bool) -> dict[str, object]:
+def measure(
+    name: str, url: str, pid: int, direct: str, quick: bool, memory: bool = True
+) -> dict[str, object]:
     n_lat = 100 if quick else 300
     res: dict[str, object] = {"router": name}
     slowdown = [machine_slowdown()]
@@ -197,11 +203,12 @@ def measure(name: str, url: str, pid: int, direct: str, quick: bool) -> dict[str
         cpu = cpu_seconds(pid) - cpu0
         res[f"req_per_s {label}"] = round(rps)
         res[f"cpu_us_per_req {label}"] = round(cpu / (rps * seconds) * 1e6)
-    n_mem = 10_000 if quick else 100_000
-    t0 = time.perf_counter()
-    asyncio.run(flood(url, n_mem, 16 << 10))
-    res[f"rss_mb after {n_mem} x 16 KB prompts"] = round(rss_mb(pid))
-    res["flood_s"] = round(time.perf_counter() - t0, 1)
+    if memory:
+        n_mem = 10_000 if quick else 100_000
+        t0 = time.perf_counter()
+        asyncio.run(flood(url, n_mem, 16 << 10))
+        res[f"rss_mb after {n_mem} x 16 KB prompts"] = round(rss_mb(pid))
+        res["flood_s"] = round(time.perf_counter() - t0, 1)
     slowdown.append(machine_slowdown())
     res["machine slowdown before, after"] = " ".join(f"{x:.2f}" for x in slowdown)
     return res
@@ -211,6 +218,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["smetric", "smetric-aiohttp", "sglang-router"], default=None)
+    ap.add_argument("--pd", action="store_true", help="PD mode: a prefill and a decode worker")
     args = ap.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("needs wrk (apt-get install wrk)")
@@ -250,11 +258,15 @@ def main() -> None:
                 continue
             port = free_port()
             extra = ["--prometheus-port", str(free_port())] if "sglang" in name else []
+            workers = (
+                ["--pd-disaggregation", "--prefill", urls[0], "--decode", urls[1]]
+                if args.pd
+                else ["--worker-urls", *urls]
+            )
             proc = subprocess.Popen(
                 [
                     *cmd,
-                    "--worker-urls",
-                    *urls,
+                    *workers,
                     "--policy",
                     "cache_aware",
                     "--host",
@@ -271,9 +283,9 @@ def main() -> None:
             try:
                 wait_http(f"http://127.0.0.1:{port}")
                 time.sleep(1.0)
-                results.append(
-                    measure(name, f"http://127.0.0.1:{port}", proc.pid, urls[0], args.quick)
-                )
+                direct = urls[1] if args.pd else urls[0]
+                url = f"http://127.0.0.1:{port}"
+                results.append(measure(name, url, proc.pid, direct, args.quick, not args.pd))
                 print(json.dumps(results[-1]), flush=True)
             finally:
                 proc.send_signal(signal.SIGINT)
@@ -284,7 +296,8 @@ def main() -> None:
     finally:
         for m in mocks:
             m.terminate()
-    (BENCH / "router_vs_sglang.json").write_text(json.dumps(results, indent=2))
+    out = "router_vs_sglang_pd.json" if args.pd else "router_vs_sglang.json"
+    (BENCH / out).write_text(json.dumps(results, indent=2))
     keys = [k for k in results[0] if k != "router"]
     print("\n| measure | " + " | ".join(str(r["router"]) for r in results) + " |")
     print("|---|" + "---|" * len(results))

@@ -23,7 +23,7 @@ from smetric.prom import merge_worker_metrics
 from smetric.request import view_request, view_unkeyed
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
 from smetric.router import app as app_module
-from smetric.router.app import Exchange
+from smetric.router.app import Exchange, inject_fields
 from smetric.router.workers import Worker
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
@@ -203,12 +203,14 @@ def test_load_is_accounted_while_a_request_streams():
 
 
 class CaptureWorker:
-    """A fake SGLang worker that records what it receives."""
+    """A fake SGLang worker that records what it receives; it answers with ``status`` after
+    ``delay_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, status: int = 200, delay_s: float = 0.0) -> None:
         self.bodies: list[bytes] = []
         self.headers: list[dict[str, str]] = []
         self.paths: list[str] = []
+        self.status, self.delay_s = status, delay_s
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -217,7 +219,9 @@ class CaptureWorker:
             self.bodies.append(await request.read())
             self.headers.append(dict(request.headers))
             self.paths.append(request.path)
-            return web.json_response({"text": "ok", "meta_info": {"id": "x"}})
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            return web.json_response({"text": "ok", "meta_info": {"id": "x"}}, status=self.status)
 
         async def ok(request: web.Request) -> web.Response:
             return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
@@ -1305,6 +1309,108 @@ def test_pd_prefill_failure_fails_fast_and_spares_the_decode_worker():
 
     status, waited, decode_errors = asyncio.run(main())
     assert status == 502 and waited < 2.0 and decode_errors == 0
+
+
+def with_pd(
+    test: Callable[[Bed, CaptureWorker, CaptureWorker], Awaitable[Any]],
+    prefill: CaptureWorker,
+    decode: CaptureWorker,
+    **config: Any,
+) -> Any:
+    async def main() -> Any:
+        p_runner, p_url = await serve_app(prefill.app())
+        d_runner, d_url = await serve_app(decode.app())
+        router, rrunner, base = await start_router(
+            RouterConfig(pd_disaggregation=True, prefill=[(p_url, 8998)], decode=[d_url], **config)
+        )
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await test(Bed(None, router, base, session), prefill, decode)  # type: ignore[arg-type]
+        finally:
+            await rrunner.close()
+            await d_runner.cleanup()
+            await p_runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def pd_loads(bed: Bed) -> list[tuple[str, int, int, int]]:
+    return [
+        (w.role, w.in_flight, w.queued_prefill_tokens, w.errors_total) for w in bed.workers.values()
+    ]
+
+
+def test_pd_sends_one_body_to_both_workers_bootstrap_fields_first_the_rest_byte_for_byte():
+    # Spaced oddly, an unknown field, max_tokens: nothing of the client's body changes but
+    # the three fields put first (SGLang's PD protocol).
+    raw = b'  {"text": "Hello PD",  "sampling_params": {"max_new_tokens": 3}, "x_custom": [1, 2]}'
+
+    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
+        answers = []
+        for rid in ("pd-1", "pd-2"):
+            async with bed.session.post(
+                bed.base + "/generate", data=raw, headers={"X-Request-ID": rid}
+            ) as r:
+                answers.append((r.status, await r.json(), r.headers["X-Request-ID"]))
+        await asyncio.sleep(0.05)  # the prefill's leg is booked once its answer is read
+        return answers, pd_loads(bed)
+
+    prefill, decode = CaptureWorker(), CaptureWorker()
+    answers, loads = with_pd(test, prefill, decode)
+    assert [(s, b["text"], rid) for s, b, rid in answers] == [
+        (200, "ok", "pd-1"),
+        (200, "ok", "pd-2"),
+    ]
+    assert prefill.bodies == decode.bodies and len(decode.bodies) == 2
+    rooms = []
+    for body in decode.bodies:
+        head, sep, rest = body.partition(b', "bootstrap_room": ')
+        room, comma, tail = rest.partition(b",")
+        assert head == b'{"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998' and sep
+        assert comma and tail == raw.lstrip()[1:]  # the client's bytes, after its brace
+        rooms.append(int(room))
+        assert json.loads(body)["x_custom"] == [1, 2]
+    assert rooms[0] != rooms[1] and all(0 <= r < 2**63 for r in rooms)
+    assert [h["X-Request-ID"] for h in prefill.headers] == ["pd-1", "pd-2"]
+    assert [h["X-Request-ID"] for h in decode.headers] == ["pd-1", "pd-2"]
+    assert sorted(loads) == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
+
+
+def test_inject_fields_puts_the_members_first_and_keeps_the_rest_byte_for_byte():
+    # The aiohttp data plane's; the Rust one's is request::inject_members, tested alike.
+    assert inject_fields(b' {"x" : [1,2]} \n', b'"a": 1') == b'{"a": 1,"x" : [1,2]} \n'
+    assert inject_fields(b"{}", b'"a": 1') == b'{"a": 1}'
+    assert inject_fields(b"{ \t}", b'"a": 1') == b'{"a": 1 \t}'
+    assert [inject_fields(raw, b'"a": 1') for raw in (b"[1]", b"  ", b"")] == [None] * 3
+
+
+def test_pd_prefill_that_never_answers_is_given_up_at_the_timeout_and_released():
+    # The decode answers (as if it had the KV another way): the client has its answer, and the
+    # prefill's leg is ended at the read timeout, its worker's load released and the failure
+    # held against it.
+    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
+        status, _, _ = await bed.post("/generate", GEN)
+        during = pd_loads(bed)
+        await asyncio.sleep(1.6)
+        return status, during, pd_loads(bed)
+
+    status, during, after = with_pd(
+        test, CaptureWorker(delay_s=3.0), CaptureWorker(), request_timeout_secs=1.0
+    )
+    assert status == 200
+    assert ("prefill", 1, view_request("generate", GEN).prompt_tokens, 0) in during
+    assert sorted(after) == [("decode", 0, 0, 0), ("prefill", 0, 0, 1)]
+
+
+def test_pd_decode_failure_is_a_503_and_releases_both_workers():
+    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
+        status, body, _ = await bed.post("/generate", GEN)
+        await asyncio.sleep(0.05)
+        return status, body, pd_loads(bed)
+
+    status, body, loads = with_pd(test, CaptureWorker(), CaptureWorker(status=500))
+    assert status == 503 and "decode worker failed" in body["error"]["message"]
+    assert sorted(loads) == [("decode", 0, 0, 1), ("prefill", 0, 0, 0)]
 
 
 def test_compressed_worker_replies_reach_the_client_decodable():

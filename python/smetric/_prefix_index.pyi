@@ -184,8 +184,10 @@ class DataPlane:
     pooled client for workers. Generation requests are read here and handed to
     ``router.dp_begin(path, keyed, body, headers, read_s)``, which returns an exchange (see
     ``smetric.router.app.Exchange``) with its first attempt and whether the client streams
-    (``(exchange, attempt or None, stream)``), an error ``(status, json_body)``, or None to pass
-    the request to the Python application at ``internal_url``, as every other route is. Given
+    (``(exchange, attempt or None, stream)``; in PD mode with a fourth item, the prefill's leg,
+    ``smetric.router.app.PrefillLeg``, sent beside the decode's attempt with the same body, its
+    ``fragment`` first), or an error ``(status, json_body)``. Every other route is passed to the
+    Python application at ``internal_url``. Given
     ``keying=(text_block_bytes, token_block_tokens)``, the data plane keys each body itself, as
     ``key_request_body`` does, outside the GIL: ``keyed`` is then what that returns and ``body``
     None, except where the fast path leaves the body to the reference (``keyed`` None, ``body``

@@ -459,6 +459,59 @@ class Exchange:
             )
 
 
+def inject_fields(raw: bytes, fragment: bytes) -> bytes | None:
+    """A JSON object's body with ``fragment`` (members, without braces) put first, the rest of
+    it byte for byte; None if it is not an object. (``dataplane.rs`` does the same.)"""
+    stripped = raw.lstrip()
+    if not stripped.startswith(b"{"):
+        return None
+    rest = stripped[1:]
+    comma = b"" if rest.lstrip().startswith(b"}") else b","
+    return b"{" + fragment + comma + rest
+
+
+class PrefillLeg:
+    """PD's prefill request, sent beside the decode's (an ``Exchange`` pinned to its decode
+    worker) with the same body, bootstrap fields first (``fragment``); its answer is read and
+    dropped. Booked at dispatch (``Router._pd_begin``) and by ``done`` once it is over. Both data
+    planes drive it: the decode's exchange answers the client, unless the prefill fails before
+    the decode has answered (then ``failure``: the decode would wait for KV that never comes)."""
+
+    __slots__ = ("fragment", "hit", "router", "uncached", "view", "worker")
+
+    def __init__(
+        self, router: Router, worker: Worker, view: RequestView, hit: int, fragment: bytes
+    ) -> None:
+        self.router, self.worker, self.view, self.hit = router, worker, view, hit
+        self.fragment = fragment
+        self.uncached = view.prompt_tokens - hit
+        worker.dispatched(self.uncached)
+
+    @property
+    def url(self) -> str:
+        return self.worker.url
+
+    def done(self, status: int) -> bool:
+        """The prefill is over: ``status`` is its answer's, 0 if none came (connection, timeout
+        or a broken answer), negative if it was not sent or was given up (neither). Returns
+        whether it succeeded (200)."""
+        r, c, w = self.router, self.router.config, self.worker
+        if status == 200:  # outside the lock: the one step whose cost grows with the prompt
+            r._predict_cache(w, self.view)
+        with r.lock:
+            if status == 200:
+                r.prefix_hit_tokens += self.hit
+                w.record_success(c.cb_success_threshold)
+            elif status == 0 or status >= 500:
+                w.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+            w.finished(False, self.uncached, self.view.prompt_tokens)
+        return status == 200
+
+    def failure(self) -> tuple[int, bytes]:
+        """The client's answer when the prefill failed before the decode answered (counted)."""
+        return 502, self.router._refuse(self.view.api, 502, f"prefill worker {self.url} failed")
+
+
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
@@ -505,6 +558,9 @@ class Router:
             sock_read=config.request_timeout_secs,
         )
         self._tasks: list[asyncio.Task[None]] = []
+        self._legs: set[asyncio.Task[bool]] = set()
+        """PD prefill legs in flight (aiohttp data plane): each runs to its end, even once the
+        decode has answered or its client has gone."""
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
         self._load_paths: dict[str, str] = {}
         # Request ids where the client sends none: this router's random prefix and a count (32
@@ -622,9 +678,10 @@ class Router:
         self._tasks.append(loop.create_task(self._load_loop()))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._legs]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
@@ -868,7 +925,7 @@ class Router:
         return error_body(status, message)
 
     async def handle_generation(self, request: web.Request) -> web.StreamResponse:
-        """The aiohttp data plane (``--data-plane aiohttp``, and PD mode)."""
+        """The aiohttp data plane (``--data-plane aiohttp``)."""
         api = ROUTES[request.path]
         rid = self._request_id(request.headers)
         t0 = time.perf_counter()
@@ -1050,22 +1107,32 @@ class Router:
         raw: bytes | None,
         headers: Mapping[str, str],
         read_s: float,
-    ) -> tuple[Exchange, Attempt | None, bool] | tuple[int, bytes] | None:
+    ) -> (
+        tuple[Exchange, Attempt | None, bool]
+        | tuple[Exchange, Attempt | None, bool, PrefillLeg]
+        | tuple[int, bytes]
+    ):
         """A generation request the data plane has read: its exchange with its first attempt
-        (``Exchange.next()``) and whether the client asked for a stream; or an error to answer
-        (status, JSON body); or None when the aiohttp application must serve it (PD mode).
+        (``Exchange.next()``) and whether the client asked for a stream, and in PD mode the
+        prefill's leg, to send beside it (``PrefillLeg``); or an error to answer (status, JSON
+        body).
 
         The data plane keys the body itself where the fast path can (``keyed``, as
         ``key_request_body`` returns it; ``raw`` is then None); otherwise ``raw`` is the body."""
-        if self.config.pd_disaggregation:
-            return None
         t0 = time.perf_counter() - read_s
-        # Started by `listen` outside PD mode, the data plane keys every body it can: one it
-        # hands over as bytes, its fast path has already left to the reference.
+        # Started by `listen`, the data plane keys every body it can: one it hands over as
+        # bytes, its fast path has already left to the reference.
         view = self._view(ROUTES[path], raw or b"", headers, keyed, True)
         if isinstance(view, bytes):
             return 400, view
-        ex = Exchange(self, view, path, self._request_id(headers), t0, headers)
+        rid = self._request_id(headers)
+        if self.config.pd_disaggregation:
+            begun = self._pd_begin(view, path, rid, t0, headers)
+            if not isinstance(begun[0], Exchange):
+                return begun
+            ex, leg = begun
+            return ex, ex.next(), view.stream, leg
+        ex = Exchange(self, view, path, rid, t0, headers)
         return ex, ex.next(), view.stream
 
     def dp_error(self, path: str, status: int, message: str) -> bytes:
@@ -1185,87 +1252,90 @@ class Router:
 
     # ---- PD ------------------------------------------------------------------------------
 
+    def _pd_begin(
+        self, view: RequestView, path: str, rid: str, t0: float, headers: Mapping[str, str]
+    ) -> tuple[Exchange, PrefillLeg] | tuple[int, bytes]:
+        """A PD request's two workers: the policy picks the prefill worker, the decode policy
+        the decode worker. Returns the decode's exchange (pinned: ``next`` dispatches it) and
+        the prefill's leg (dispatched), or the 503 to answer when either pool has no healthy
+        worker. Both data planes begin a PD request here."""
+        with self.lock:
+            self.settle()
+            prefills, decodes = self._eligible("prefill", set()), self._eligible("decode", set())
+            if not prefills or not decodes:
+                message = "PD mode needs a healthy prefill and decode worker"
+                return 503, self._refuse(view.api, 503, message)
+            p_cluster = self._snapshot(view, prefills)
+            p_decision = self.policy.select(view, p_cluster)
+            d_decision = self.decode_policy.select(view, self._snapshot(view, decodes))
+            prefill, decode = prefills[p_decision.worker], decodes[d_decision.worker]
+            self.decisions[(self.policy.name, p_decision.reason)] += 1
+            fragment = json.dumps(
+                {
+                    "bootstrap_host": urlparse(prefill.url).hostname or "127.0.0.1",
+                    "bootstrap_port": prefill.bootstrap_port,
+                    "bootstrap_room": self._rooms.getrandbits(63),
+                }
+            )[1:-1].encode()
+            hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
+            leg = PrefillLeg(self, prefill, view, hit, fragment)
+        return Exchange(self, view, path, rid, t0, headers, (decode, d_decision)), leg
+
     async def _route_pd(
         self, request: web.Request, raw: bytes, view: RequestView, rid: str, t0: float
     ) -> web.StreamResponse:
-        prefills, decodes = self._eligible("prefill", set()), self._eligible("decode", set())
-        if not prefills or not decodes:
-            refusal = error_json(503, "PD mode needs a healthy prefill and decode worker")
-            return self._count(view.api, refusal)
-        p_cluster = self._snapshot(view, prefills)
-        p_decision = self.policy.select(view, p_cluster)
-        d_decision = self.decode_policy.select(view, self._snapshot(view, decodes))
-        prefill, decode = prefills[p_decision.worker], decodes[d_decision.worker]
-        self.decisions[(self.policy.name, p_decision.reason)] += 1
-        room = self._rooms.getrandbits(63)
-        host = urlparse(prefill.url).hostname or "127.0.0.1"
-        inject = json.dumps(
-            {
-                "bootstrap_host": host,
-                "bootstrap_port": prefill.bootstrap_port,
-                "bootstrap_room": room,
-            }
-        )[1:-1].encode()
-        stripped = raw.strip()
-        if not stripped.startswith(b"{"):
+        """The aiohttp data plane's PD request: prefill and decode at once (``_pd_begin``). The
+        prefill's leg runs to its end (an answer, a failure, or the read timeout) whatever the
+        decode does: its worker is busy until then, and a success teaches the index."""
+        begun = self._pd_begin(view, request.path, rid, t0, request.headers)
+        if not isinstance(begun[0], Exchange):
+            status, refusal = begun
+            return web.Response(body=refusal, status=status, content_type="application/json")
+        ex, leg = begun
+        body = inject_fields(raw, leg.fragment)
+        if body is None:  # not reached: a request that has a view is a JSON object
+            leg.done(-1)
             return self._count(view.api, error_json(400, "request body must be a JSON object"))
-        rest = stripped[1:].lstrip()
-        body = b"{" + inject + (b"," if not rest.startswith(b"}") else b"") + rest
-        hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
-        p_uncached = view.prompt_tokens - hit
-        prefill.dispatched(p_uncached)
 
         async def run_prefill() -> bool:
             assert self.session is not None
-            c = self.config
+            status = -1  # cancelled (the router stopped): neither an answer nor a failure
             try:
                 async with self.session.post(
-                    prefill.url + request.path,
+                    leg.url + request.path,
                     data=body,
-                    headers={"Content-Type": "application/json", "X-Request-ID": rid},
+                    headers=dict(ex.upstream_headers),
+                    timeout=self._upstream_timeout,
                 ) as up:
                     await up.read()
-                    if up.status == 200:
-                        self.prefix_hit_tokens += hit
-                        self._predict_cache(prefill, view)
-                        prefill.record_success(c.cb_success_threshold)
-                    elif up.status >= 500:
-                        prefill.record_failure(
-                            c.cb_failure_threshold, not c.disable_circuit_breaker
-                        )
-                    return up.status == 200
+                    status = up.status
             except (TimeoutError, aiohttp.ClientError, OSError):
-                prefill.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
-                return False
+                status = 0
             finally:
-                prefill.finished(False, p_uncached, view.prompt_tokens)
+                ok = leg.done(status)
+            return ok
 
         loop = asyncio.get_running_loop()
-        prefill_task = loop.create_task(run_prefill())
-        decode_task = loop.create_task(
-            self._drive(
-                request,
-                body,
-                Exchange(self, view, request.path, rid, t0, request.headers, (decode, d_decision)),
-            )
-        )
+        prefill = loop.create_task(run_prefill())
+        self._legs.add(prefill)
+        prefill.add_done_callback(self._legs.discard)
+        decode = loop.create_task(self._drive(request, body, ex))
         try:
-            await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
-            if not decode_task.done() and prefill_task.done() and not prefill_task.result():
+            await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            if not decode.done() and prefill.done() and not prefill.result():
                 # The decode worker would wait for KV that never comes: stop it, and do not
                 # count its timeout against it.
-                decode_task.cancel()
+                decode.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
-                    await decode_task
-                failure = error_json(502, f"prefill worker {prefill.url} failed")
-                return self._count(view.api, failure)
-            return await decode_task
+                    await decode
+                status, failure = leg.failure()
+                return web.Response(body=failure, status=status, content_type="application/json")
+            return await decode
         finally:
-            for task in (prefill_task, decode_task):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+            if not decode.done():  # the client went away
+                decode.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await decode
 
     # ---- the router's own endpoints ------------------------------------------------------
 
@@ -1545,7 +1615,7 @@ async def listen(router: Router, host: str, port: int) -> Listening:
         await web.TCPSite(runner, host, port).start()
         return Listening(router, runner, None, runner.addresses[-1][1])
     # The aiohttp application serves, on a private loopback port, what the data plane passes
-    # on: every route but generation (and generation too in PD mode).
+    # on: every route but generation.
     await web.TCPSite(runner, "127.0.0.1", 0).start()
     plane = DataPlane(
         router,
@@ -1554,8 +1624,7 @@ async def listen(router: Router, host: str, port: int) -> Listening:
         config.request_timeout_secs,
         config.health_check_timeout_secs,
         config.data_plane_threads,
-        # In PD mode the aiohttp application serves generation and keys the body itself.
-        keying=None if config.pd_disaggregation else (TEXT_BLOCK_BYTES, TOKEN_BLOCK_TOKENS),
+        keying=(TEXT_BLOCK_BYTES, TOKEN_BLOCK_TOKENS),
     )
     router._booked = plane.booked  # before the first answer can be queued
     router.plane = plane

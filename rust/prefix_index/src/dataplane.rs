@@ -6,9 +6,10 @@
 //! *exchange* with its first attempt: an object that says where to send the request (`next`),
 //! hears how each attempt went (`failed`, `whole`, `streaming`, `end`, and `record`) and keeps
 //! the accounting. The bytes themselves, the waiting, the retries' backoff and the streaming
-//! back stay here. Every other route (health,
-//! metrics, worker management, and generation in PD mode, where `dp_begin` returns `None`) is
-//! passed to the Python application on a private loopback port.
+//! back stay here. In PD mode the exchange is pinned to the decode worker and comes with the
+//! prefill's *leg* (`prefill`): the same body, bootstrap fields first, goes to both at once.
+//! Every other route (health, metrics, worker management) is passed to the Python application
+//! on a private loopback port.
 //!
 //! Python runs under the GIL on the data plane's threads; the router guards its state with its
 //! own lock. An exchange whose client goes away while an attempt is open (from the moment its
@@ -54,7 +55,7 @@ use pyo3::types::{PyBytes, PyDict, PyTuple};
 
 use crate::copy;
 use crate::python::{self, KeyedBody};
-use crate::request::Api;
+use crate::request::{self, Api};
 use crate::upstream::{AnswerBody, Upstream};
 use pyo3::types::PyList;
 use tokio::sync::{oneshot, watch, Notify};
@@ -564,17 +565,141 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     let Ok((parts, begun)) = decided.await else {
         return Ok(error_response(503, "ServerError", "the router is stopping"));
     };
-    let (mut ex, target, stream) = match begun {
+    let (mut ex, target, stream, leg) = match begun {
         Err(e) => return Ok(Python::attach(|py| router_error(py, e))),
-        Ok(Begun::Internal) => return Ok(to_internal(&plane, parts, raw).await),
         Ok(Begun::Respond(resp)) => return Ok(resp),
-        Ok(Begun::Exchange(ex, target, stream)) => (ex, target, stream),
+        Ok(Begun::Exchange(ex, target, stream, leg)) => (ex, target, stream, leg),
     };
-    Ok(
-        forward(&plane, parts.uri.path(), raw, &mut ex, target, stream)
+    let path = parts.uri.path();
+    Ok(match leg {
+        None => forward(&plane, path, raw, &mut ex, target, stream)
             .await
             .unwrap_or_else(|resp| resp),
-    )
+        Some(pd) => forward_pd(&plane, path, raw, ex, target, stream, pd).await,
+    })
+}
+
+/// PD's prefill request (`PrefillLeg` in the router): its worker, the bootstrap fields to put
+/// first in the body, and the leg itself, to report to. Dropped before it is over (the server
+/// stopped, or the body could not be sent), it reports that it was given up, so the prefill
+/// worker's accounting is released.
+struct Leg {
+    url: String,
+    fragment: Vec<u8>,
+    leg: Option<Py<PyAny>>,
+}
+
+impl Leg {
+    /// `leg.done(status)`: 0 when no answer came, negative when given up; whether it succeeded.
+    fn done(&mut self, status: i32) -> bool {
+        let Some(leg) = self.leg.take() else {
+            return false;
+        };
+        Python::attach(|py| match leg.bind(py).call_method1("done", (status,)) {
+            Ok(ok) => ok.extract().unwrap_or(false),
+            Err(e) => {
+                e.print(py);
+                false
+            }
+        })
+    }
+}
+
+impl Drop for Leg {
+    fn drop(&mut self) {
+        if self.leg.is_some() {
+            self.done(-1);
+        }
+    }
+}
+
+/// A PD request: the prefill's leg is sent on a task of its own (`prefill`) while the decode's
+/// exchange is forwarded as any other. If the prefill fails before the decode has answered,
+/// the decode worker would wait for KV that never comes: its request is dropped (its
+/// exchange ends as the client's going would end it, no failure held against the worker) and
+/// the client gets the leg's 502. Once the decode has answered, the answer stands.
+async fn forward_pd(
+    plane: &Arc<Plane>,
+    path: &str,
+    raw: Bytes,
+    mut ex: Exchange,
+    target: Next,
+    stream: bool,
+    (mut leg, failure): (Leg, Py<PyAny>),
+) -> Response<Body> {
+    let Some(body) = request::inject_members(&raw, &leg.fragment).map(Bytes::from) else {
+        // Not reached: a request the router took is a JSON object.
+        leg.done(-1);
+        return error_response(400, "BadRequestError", "request body must be a JSON object");
+    };
+    let headers = target.as_ref().map(|t| t.1.clone()).unwrap_or_default();
+    let (told, succeeded) = oneshot::channel();
+    tokio::spawn(prefill(
+        plane.clone(),
+        path.to_owned(),
+        headers,
+        body.clone(),
+        leg,
+        told,
+    ));
+    let prefill_failed = async {
+        match succeeded.await {
+            Ok(false) => {}
+            _ => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        answer = forward(plane, path, body, &mut ex, target, stream) => {
+            answer.unwrap_or_else(|resp| resp)
+        }
+        () = prefill_failed => leg_failure(failure),
+    }
+}
+
+/// `leg.failure()`: the client's answer when the prefill failed first.
+fn leg_failure(leg: Py<PyAny>) -> Response<Body> {
+    Python::attach(|py| {
+        let out = leg.bind(py).call_method0("failure");
+        match out.and_then(|o| o.extract::<(u16, Vec<u8>)>()) {
+            Ok((status, body)) => json_response(status, body),
+            Err(e) => router_error(py, e),
+        }
+    })
+}
+
+/// Sends the prefill's leg and reads its answer to the end (dropping it), each wait bounded
+/// by the read timeout; then reports it (`Leg::done`, aside for a large prompt: a success
+/// teaches the index the prompt) and tells `forward_pd` whether it succeeded.
+async fn prefill(
+    plane: Arc<Plane>,
+    path: String,
+    headers: Headers,
+    body: Bytes,
+    mut leg: Leg,
+    told: oneshot::Sender<bool>,
+) {
+    let post = plane.upstream.post(&leg.url, &path, &headers, &body);
+    let status = match tokio::time::timeout(plane.read_timeout, post).await {
+        Ok(Ok(answer)) => {
+            let mut rest = answer.body;
+            loop {
+                match next_data(&plane, &mut rest).await {
+                    Ok(Some(_)) => {}
+                    Ok(None) => break i32::from(answer.status),
+                    Err(_) => break 0,
+                }
+            }
+        }
+        _ => 0,
+    };
+    let ok = if body.len() >= RECORD_ASIDE_BYTES {
+        tokio::task::spawn_blocking(move || leg.done(status))
+            .await
+            .unwrap_or(false)
+    } else {
+        leg.done(status)
+    };
+    let _ = told.send(ok);
 }
 
 /// A generation body keyed here, on the connection's thread, outside the GIL and before the
@@ -661,9 +786,9 @@ async fn decide_loop(plane: Arc<Plane>) {
     }
 }
 
-/// `router.dp_begin(path, keyed, body, headers, read_s)`: the exchange with its first attempt,
-/// an answer to give at once, or the Python application's to serve (PD mode). The body goes as
-/// a Python `bytes` only where it was not keyed here (`key`).
+/// `router.dp_begin(path, keyed, body, headers, read_s)`: the exchange with its first attempt
+/// (and in PD mode the prefill's leg), or an answer to give at once. The body goes as a Python
+/// `bytes` only where it was not keyed here (`key`).
 fn begin(
     py: Python<'_>,
     plane: &Plane,
@@ -687,22 +812,35 @@ fn begin(
         .router
         .bind(py)
         .call_method1("dp_begin", (parts.uri.path(), keyed, body, headers, read_s))?;
-    if out.is_none() {
-        return Ok(Begun::Internal); // PD mode: the Python application serves it
-    }
     let out = out.cast::<PyTuple>()?;
     if out.len() == 2 {
         let (status, body): (u16, Vec<u8>) = out.extract()?;
         return Ok(Begun::Respond(json_response(status, body)));
     }
-    let (ex, target, stream): (Py<PyAny>, Next, bool) = out.extract()?;
+    let (ex, target, stream): (Py<PyAny>, Next, bool) = (
+        out.get_item(0)?.extract()?,
+        out.get_item(1)?.extract()?,
+        out.get_item(2)?.extract()?,
+    );
+    let leg = if out.len() == 4 {
+        let leg = out.get_item(3)?;
+        let failure = leg.clone().unbind();
+        let leg = Leg {
+            url: leg.getattr("url")?.extract()?,
+            fragment: leg.getattr("fragment")?.extract()?,
+            leg: Some(leg.unbind()),
+        };
+        Some((leg, failure))
+    } else {
+        None
+    };
     // From here the exchange ends its attempt if dropped: also when its client has gone before
     // the decision reaches it.
     let ex = Exchange {
         open: target.is_some(),
         ex: Some(ex),
     };
-    Ok(Begun::Exchange(ex, target, stream))
+    Ok(Begun::Exchange(ex, target, stream, leg))
 }
 
 /// The body as the Python `bytes` the router reads (`copy::copy`: see `read_body`).
@@ -720,9 +858,10 @@ type Headers = Vec<(String, String)>;
 type Next = Option<(String, Headers, Headers)>;
 
 enum Begun {
-    Internal,
     Respond(Response<Body>),
-    Exchange(Exchange, Next, bool),
+    /// The exchange, its first attempt, whether the client asked for a stream, and in PD mode
+    /// the prefill's leg (and the leg again, for its `failure`).
+    Exchange(Exchange, Next, bool, Option<(Leg, Py<PyAny>)>),
 }
 
 fn extract<T>(out: Result<Py<PyAny>, Response<Body>>) -> Result<T, Response<Body>>

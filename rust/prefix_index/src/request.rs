@@ -1154,6 +1154,25 @@ fn view_body_lanes<'a>(
     })
 }
 
+/// A JSON object's body with `members` (members, without braces: PD's bootstrap fields) put
+/// first and the rest byte for byte; None if the body is not an object.
+pub fn inject_members(raw: &[u8], members: &[u8]) -> Option<Vec<u8>> {
+    let start = raw.iter().position(|b| !b.is_ascii_whitespace())?;
+    if raw[start] != b'{' {
+        return None;
+    }
+    let rest = &raw[start + 1..];
+    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
+    let mut body = Vec::with_capacity(raw.len() + members.len() + 2);
+    body.push(b'{');
+    body.extend_from_slice(members);
+    if !empty {
+        body.push(b',');
+    }
+    crate::copy::append(&mut body, rest);
+    Some(body)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -1550,5 +1569,20 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn inject_members_puts_them_first_and_keeps_the_rest_byte_for_byte() {
+        let m = br#""a": 1"#;
+        let inject = |raw: &[u8]| inject_members(raw, m);
+        assert_eq!(
+            inject(b" {\"x\" : [1,2]} \n").as_deref(),
+            Some(&b"{\"a\": 1,\"x\" : [1,2]} \n"[..])
+        );
+        assert_eq!(inject(b"{}").as_deref(), Some(&b"{\"a\": 1}"[..]));
+        assert_eq!(inject(b"{ \t}").as_deref(), Some(&b"{\"a\": 1 \t}"[..]));
+        assert_eq!(inject(b"[1]"), None);
+        assert_eq!(inject(b"  "), None);
+        assert_eq!(inject(b""), None);
     }
 }
