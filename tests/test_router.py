@@ -221,7 +221,9 @@ class CaptureWorker:
             self.paths.append(request.path)
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
-            return web.json_response({"text": "ok", "meta_info": {"id": "x"}}, status=self.status)
+            if self.status != 200:
+                return web.json_response({"error": {"message": "told to fail"}}, status=self.status)
+            return web.json_response({"text": "ok", "meta_info": {"id": "x"}})
 
         async def ok(request: web.Request) -> web.Response:
             return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
@@ -950,14 +952,13 @@ def test_pd_mode_sends_to_a_prefill_and_a_decode_worker_with_bootstrap_fields():
     async def test(bed: Bed):
         status, body, headers = await bed.post("/generate", GEN)
         s2, lines, _ = await bed.stream("/v1/chat/completions", CHAT)
-        loads = [(w.role, w.in_flight, w.queued_prefill_tokens) for w in bed.workers.values()]
-        return status, body, headers, s2, lines, loads
+        return status, body, headers, s2, lines, await pd_settled(bed), bed.cluster.urls
 
-    status, body, headers, s2, lines, loads = run(test, workers=0, pd=(1, 1))
+    status, body, headers, s2, lines, loads, urls = run(test, workers=0, pd=(1, 1))
     assert status == 200 and body["meta_info"]["completion_tokens"] == 6
-    assert headers["X-SMetric-Worker"].endswith(headers["X-SMetric-Worker"].split(":")[-1])
+    assert headers["X-SMetric-Worker"] == urls[1]  # the decode worker answers
     assert s2 == 200 and lines[-1] == b"data: [DONE]"
-    assert all(n == 0 and q == 0 for _, n, q in loads)
+    assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
 
 
 # ---- SMetric end to end -------------------------------------------------------------------
@@ -1311,6 +1312,35 @@ def test_pd_prefill_failure_fails_fast_and_spares_the_decode_worker():
     assert status == 502 and waited < 2.0 and decode_errors == 0
 
 
+class StreamingDecode(CaptureWorker):
+    """A decode worker that streams ``events`` SSE events ``gap_s`` apart."""
+
+    def __init__(self, events: int = 10, gap_s: float = 0.1) -> None:
+        super().__init__()
+        self.events, self.gap_s = events, gap_s
+
+    def app(self) -> web.Application:
+        app = web.Application()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            self.bodies.append(await request.read())
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(self.events):
+                await resp.write(b'data: {"text": "t%d"}\n\n' % i)
+                await asyncio.sleep(self.gap_s)
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
+
+        app.router.add_post("/generate", generate)
+        for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
+            app.router.add_get(path, ok)
+        return app
+
+
 def with_pd(
     test: Callable[[Bed, CaptureWorker, CaptureWorker], Awaitable[Any]],
     prefill: CaptureWorker,
@@ -1335,15 +1365,32 @@ def with_pd(
 
 
 def pd_loads(bed: Bed) -> list[tuple[str, int, int, int]]:
-    return [
+    return sorted(
         (w.role, w.in_flight, w.queued_prefill_tokens, w.errors_total) for w in bed.workers.values()
-    ]
+    )
 
 
-def test_pd_sends_one_body_to_both_workers_bootstrap_fields_first_the_rest_byte_for_byte():
-    # Spaced oddly, an unknown field, max_tokens: nothing of the client's body changes but
-    # the three fields put first (SGLang's PD protocol).
-    raw = b'  {"text": "Hello PD",  "sampling_params": {"max_new_tokens": 3}, "x_custom": [1, 2]}'
+async def pd_settled(bed: Bed) -> list[tuple[str, int, int, int]]:
+    """The workers' loads once nothing is in flight (the prefill's leg is booked once its answer
+    is read, maybe after the client's), or as they are after 5 s."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        loads = pd_loads(bed)
+        if all(n == q == 0 for _, n, q, _ in loads):
+            break
+        await asyncio.sleep(0.01)
+    return pd_loads(bed)
+
+
+def test_pd_sends_one_body_to_both_workers_bootstrap_fields_added_the_rest_byte_for_byte():
+    # Spaced oddly, an unknown field, max_tokens, and a bootstrap field of the client's own:
+    # nothing of the client's body changes but the three fields added last (SGLang's PD
+    # protocol), which override the client's (parsers keep a key's last value).
+    raw = (
+        b'  {"text": "Hello PD " , "sampling_params": {"max_new_tokens": 3}, "x_custom": [1, 2],'
+        b' "bootstrap_room": 5}\n'
+    )
+    keys = view_request("generate", json.loads(raw)).key.keys
 
     async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
         answers = []
@@ -1351,37 +1398,49 @@ def test_pd_sends_one_body_to_both_workers_bootstrap_fields_first_the_rest_byte_
             async with bed.session.post(
                 bed.base + "/generate", data=raw, headers={"X-Request-ID": rid}
             ) as r:
-                answers.append((r.status, await r.json(), r.headers["X-Request-ID"]))
-        await asyncio.sleep(0.05)  # the prefill's leg is booked once its answer is read
-        return answers, pd_loads(bed)
+                answers.append((r.status, await r.json(), r.headers.copy()))
+        loads = await pd_settled(bed)
+        held = {
+            w.role: bed.router.index.match(keys, touch=False).blocks[w.index_slot]
+            for w in bed.workers.values()
+        }
+        decode_url = next(w.url for w in bed.workers.values() if w.role == "decode")
+        return answers, loads, held, decode_url
 
     prefill, decode = CaptureWorker(), CaptureWorker()
-    answers, loads = with_pd(test, prefill, decode)
-    assert [(s, b["text"], rid) for s, b, rid in answers] == [
+    answers, loads, held, decode_url = with_pd(test, prefill, decode)
+    assert [(s, b["text"], h["X-Request-ID"]) for s, b, h in answers] == [
         (200, "ok", "pd-1"),
         (200, "ok", "pd-2"),
     ]
+    assert {h["X-SMetric-Worker"] for _, _, h in answers} == {decode_url}
     assert prefill.bodies == decode.bodies and len(decode.bodies) == 2
     rooms = []
     for body in decode.bodies:
-        head, sep, rest = body.partition(b', "bootstrap_room": ')
-        room, comma, tail = rest.partition(b",")
-        assert head == b'{"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998' and sep
-        assert comma and tail == raw.lstrip()[1:]  # the client's bytes, after its brace
+        fields_at = b',"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998'
+        head, sep, fields = body.partition(fields_at)
+        assert head == raw.rstrip()[:-1] and sep  # the client's bytes, up to its closing brace
+        room, end = fields.removeprefix(b', "bootstrap_room": ').split(b"}")
+        assert end == b"\n"
         rooms.append(int(room))
-        assert json.loads(body)["x_custom"] == [1, 2]
+        parsed = json.loads(body)
+        assert parsed["x_custom"] == [1, 2] and parsed["bootstrap_room"] == rooms[-1] != 5
     assert rooms[0] != rooms[1] and all(0 <= r < 2**63 for r in rooms)
     assert [h["X-Request-ID"] for h in prefill.headers] == ["pd-1", "pd-2"]
     assert [h["X-Request-ID"] for h in decode.headers] == ["pd-1", "pd-2"]
-    assert sorted(loads) == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
+    assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
+    # Both hold the prompt now (the prefill's success taught the index too).
+    assert held["prefill"] == held["decode"] == len(keys)
 
 
-def test_inject_fields_puts_the_members_first_and_keeps_the_rest_byte_for_byte():
+def test_inject_fields_puts_the_members_last_and_keeps_the_rest_byte_for_byte():
     # The aiohttp data plane's; the Rust one's is request::inject_members, tested alike.
-    assert inject_fields(b' {"x" : [1,2]} \n', b'"a": 1') == b'{"a": 1,"x" : [1,2]} \n'
+    assert inject_fields(b' {"x" : [1,2]} \n', b'"a": 1') == b' {"x" : [1,2],"a": 1} \n'
     assert inject_fields(b"{}", b'"a": 1') == b'{"a": 1}'
-    assert inject_fields(b"{ \t}", b'"a": 1') == b'{"a": 1 \t}'
-    assert [inject_fields(raw, b'"a": 1') for raw in (b"[1]", b"  ", b"")] == [None] * 3
+    assert inject_fields(b"{ \t}", b'"a": 1') == b'{ \t"a": 1}'
+    assert inject_fields(b'{"y":{}}', b'"a": 1') == b'{"y":{},"a": 1}'
+    bad = (b"[1]", b"  ", b"", b"{", b"}", b'{"y":1')
+    assert [inject_fields(raw, b'"a": 1') for raw in bad] == [None] * len(bad)
 
 
 def test_pd_prefill_that_never_answers_is_given_up_at_the_timeout_and_released():
@@ -1399,18 +1458,63 @@ def test_pd_prefill_that_never_answers_is_given_up_at_the_timeout_and_released()
     )
     assert status == 200
     assert ("prefill", 1, view_request("generate", GEN).prompt_tokens, 0) in during
-    assert sorted(after) == [("decode", 0, 0, 0), ("prefill", 0, 0, 1)]
+    assert after == [("decode", 0, 0, 0), ("prefill", 0, 0, 1)]
+
+
+def test_pd_prefill_4xx_before_the_decode_answers_reaches_the_client_as_it_came():
+    # A request the prefill worker refuses (its own fault): the client sees that answer, not a
+    # 502, and no failure is held against either worker.
+    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
+        status, body, _ = await bed.post("/generate", GEN)
+        return status, body, await pd_settled(bed)
+
+    status, body, loads = with_pd(test, CaptureWorker(status=400), CaptureWorker(delay_s=2.0))
+    assert (status, body) == (400, {"error": {"message": "told to fail"}})
+    assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
+
+
+def test_pd_prefill_failing_mid_stream_leaves_the_stream_whole():
+    # The decode has begun to stream: its answer stands, whatever the prefill does after.
+    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
+        stream = bed.stream("/generate", {**GEN, "stream": True})
+        status, lines, _ = await asyncio.wait_for(stream, 10.0)  # a cut stream would hang
+        return status, lines, await pd_settled(bed)
+
+    status, lines, loads = with_pd(
+        test, CaptureWorker(status=500, delay_s=0.35), StreamingDecode(events=10, gap_s=0.1)
+    )
+    assert status == 200 and len(lines) == 11 and lines[-1] == b"data: [DONE]"
+    assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 1)]
+
+
+def test_pd_prefill_whose_index_record_fails_is_still_booked(monkeypatch):
+    # A prediction of the prefill worker's cache that raises (a key conflict in the index) is
+    # logged; the request is answered and the worker's load released.
+    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
+        record = bed.router._predict_cache
+
+        def conflict(worker: Worker, view: Any) -> None:
+            if worker.role == "prefill":
+                raise ValueError("key conflict")
+            record(worker, view)
+
+        monkeypatch.setattr(bed.router, "_predict_cache", conflict)
+        status, _, _ = await bed.post("/generate", GEN)
+        return status, await pd_settled(bed)
+
+    status, loads = with_pd(test, CaptureWorker(), CaptureWorker(delay_s=0.2))
+    assert status == 200
+    assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
 
 
 def test_pd_decode_failure_is_a_503_and_releases_both_workers():
     async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
         status, body, _ = await bed.post("/generate", GEN)
-        await asyncio.sleep(0.05)
-        return status, body, pd_loads(bed)
+        return status, body, await pd_settled(bed)
 
     status, body, loads = with_pd(test, CaptureWorker(), CaptureWorker(status=500))
     assert status == 503 and "decode worker failed" in body["error"]["message"]
-    assert sorted(loads) == [("decode", 0, 0, 1), ("prefill", 0, 0, 0)]
+    assert loads == [("decode", 0, 0, 1), ("prefill", 0, 0, 0)]
 
 
 def test_compressed_worker_replies_reach_the_client_decodable():

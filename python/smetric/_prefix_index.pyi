@@ -186,10 +186,10 @@ class DataPlane:
     ``smetric.router.app.Exchange``) with its first attempt and whether the client streams
     (``(exchange, attempt or None, stream)``; in PD mode with a fourth item, the prefill's leg,
     ``smetric.router.app.PrefillLeg``, sent beside the decode's attempt with the same body, its
-    ``fragment`` first), or an error ``(status, json_body)``. Every other route is passed to the
-    Python application at ``internal_url``. Given
-    ``keying=(text_block_bytes, token_block_tokens)``, the data plane keys each body itself, as
-    ``key_request_body`` does, outside the GIL: ``keyed`` is then what that returns and ``body``
+    ``fragment`` added last), or an error ``(status, json_body)``. Every other route is passed
+    to the Python application at ``internal_url``. Given ``keying=(text_block_bytes,
+    token_block_tokens)``, the data plane keys each body itself, as ``key_request_body`` does,
+    outside the GIL: ``keyed`` is then what that returns and ``body``
     None, except where the fast path leaves the body to the reference (``keyed`` None, ``body``
     the bytes, as always without ``keying``). The answers are booked in a queue the router takes
     with ``booked()`` (``Router.settle``): before its decisions, when it reports, and when the

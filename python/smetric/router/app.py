@@ -460,19 +460,19 @@ class Exchange:
 
 
 def inject_fields(raw: bytes, fragment: bytes) -> bytes | None:
-    """A JSON object's body with ``fragment`` (members, without braces) put first, the rest of
-    it byte for byte; None if it is not an object. (``dataplane.rs`` does the same.)"""
-    stripped = raw.lstrip()
-    if not stripped.startswith(b"{"):
+    """A JSON object's body with ``fragment`` (members, without braces) put last, so that they
+    override any the body has (JSON parsers keep a key's last value), the rest byte for byte;
+    None if it is not an object. (``request::inject_members`` in Rust does the same.)"""
+    body = raw.rstrip()
+    if not body.lstrip().startswith(b"{") or not body.endswith(b"}"):
         return None
-    rest = stripped[1:]
-    comma = b"" if rest.lstrip().startswith(b"}") else b","
-    return b"{" + fragment + comma + rest
+    empty = body.lstrip()[1:].lstrip().startswith(b"}")
+    return body[:-1] + (b"" if empty else b",") + fragment + raw[len(body) - 1 :]
 
 
 class PrefillLeg:
     """PD's prefill request, sent beside the decode's (an ``Exchange`` pinned to its decode
-    worker) with the same body, bootstrap fields first (``fragment``); its answer is read and
+    worker) with the same body, bootstrap fields added (``fragment``); its answer is read and
     dropped. Booked at dispatch (``Router._pd_begin``) and by ``done`` once it is over. Both data
     planes drive it: the decode's exchange answers the client, unless the prefill fails before
     the decode has answered (then ``failure``: the decode would wait for KV that never comes)."""
@@ -494,22 +494,34 @@ class PrefillLeg:
     def done(self, status: int) -> bool:
         """The prefill is over: ``status`` is its answer's, 0 if none came (connection, timeout
         or a broken answer), negative if it was not sent or was given up (neither). Returns
-        whether it succeeded (200)."""
+        whether it succeeded (200). A prediction of the cache that fails (a key conflict in the
+        index) is logged, and the booking stands (as in ``Exchange.record``)."""
         r, c, w = self.router, self.router.config, self.worker
-        if status == 200:  # outside the lock: the one step whose cost grows with the prompt
-            r._predict_cache(w, self.view)
-        with r.lock:
-            if status == 200:
-                r.prefix_hit_tokens += self.hit
-                w.record_success(c.cb_success_threshold)
-            elif status == 0 or status >= 500:
-                w.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
-            w.finished(False, self.uncached, self.view.prompt_tokens)
+        try:
+            if status == 200:  # outside the lock: the one step whose cost grows with the prompt
+                r._predict_cache(w, self.view)
+        except Exception:
+            log.exception("index record failed (prefill) worker=%s", w.url)
+        finally:
+            with r.lock:
+                if status == 200:
+                    r.prefix_hit_tokens += self.hit
+                    w.record_success(c.cb_success_threshold)
+                elif status == 0 or status >= 500:
+                    w.record_failure(c.cb_failure_threshold, not c.disable_circuit_breaker)
+                w.finished(False, self.uncached, self.view.prompt_tokens)
         return status == 200
 
-    def failure(self) -> tuple[int, bytes]:
-        """The client's answer when the prefill failed before the decode answered (counted)."""
-        return 502, self.router._refuse(self.view.api, 502, f"prefill worker {self.url} failed")
+    def failure(self, status: int, body: bytes) -> tuple[int, bytes]:
+        """The client's answer (counted) when the prefill failed before the decode answered:
+        a 4xx from the prefill worker as it came (the request's own fault, which the decode
+        worker would have answered alike), else a 502 naming the worker."""
+        r = self.router
+        if 400 <= status < 500:
+            with r.lock:
+                r.requests[(self.view.api, status)] += 1
+            return status, body
+        return 502, r._refuse(self.view.api, 502, f"prefill worker {self.url} failed")
 
 
 class Router:
@@ -558,7 +570,7 @@ class Router:
             sock_read=config.request_timeout_secs,
         )
         self._tasks: list[asyncio.Task[None]] = []
-        self._legs: set[asyncio.Task[bool]] = set()
+        self._legs: set[asyncio.Task[tuple[bool, int, bytes]]] = set()
         """PD prefill legs in flight (aiohttp data plane): each runs to its end, even once the
         decode has answered or its client has gone."""
         self._rooms = random.SystemRandom()  # bootstrap rooms must differ across routers
@@ -1197,9 +1209,11 @@ class Router:
                     if ex.learn is not None and ex.learn(chunk):
                         ex.learn = None
                     if not sent:
-                        await _downstream(resp.prepare(request))
+                        # Booked before the head goes out (PD: from here the stream is the
+                        # answer, whatever the prefill does).
                         sent = True
                         ex.streaming(up.status, record=True)
+                        await _downstream(resp.prepare(request))
                     n = chunk.count(b"data: {")
                     if n:
                         t_last = time.perf_counter()
@@ -1297,9 +1311,9 @@ class Router:
             leg.done(-1)
             return self._count(view.api, error_json(400, "request body must be a JSON object"))
 
-        async def run_prefill() -> bool:
+        async def run_prefill() -> tuple[bool, int, bytes]:
             assert self.session is not None
-            status = -1  # cancelled (the router stopped): neither an answer nor a failure
+            status, data = -1, b""  # cancelled (the router stopped): neither
             try:
                 async with self.session.post(
                     leg.url + request.path,
@@ -1307,13 +1321,13 @@ class Router:
                     headers=dict(ex.upstream_headers),
                     timeout=self._upstream_timeout,
                 ) as up:
-                    await up.read()
+                    data = await up.read()
                     status = up.status
             except (TimeoutError, aiohttp.ClientError, OSError):
                 status = 0
             finally:
                 ok = leg.done(status)
-            return ok
+            return ok, status, data
 
         loop = asyncio.get_running_loop()
         prefill = loop.create_task(run_prefill())
@@ -1322,13 +1336,14 @@ class Router:
         decode = loop.create_task(self._drive(request, body, ex))
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
-            if not decode.done() and prefill.done() and not prefill.result():
-                # The decode worker would wait for KV that never comes: stop it, and do not
-                # count its timeout against it.
+            if not decode.done() and not ex.status and not prefill.result()[0]:
+                # The decode worker has not answered and would wait for KV that never comes:
+                # stop it, and do not count its timeout against it. (One that has begun to
+                # stream goes on: its answer stands.)
                 decode.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await decode
-                status, failure = leg.failure()
+                status, failure = leg.failure(*prefill.result()[1:])
                 return web.Response(body=failure, status=status, content_type="application/json")
             return await decode
         finally:

@@ -7,7 +7,7 @@
 //! hears how each attempt went (`failed`, `whole`, `streaming`, `end`, and `record`) and keeps
 //! the accounting. The bytes themselves, the waiting, the retries' backoff and the streaming
 //! back stay here. In PD mode the exchange is pinned to the decode worker and comes with the
-//! prefill's *leg* (`prefill`): the same body, bootstrap fields first, goes to both at once.
+//! prefill's *leg* (`prefill`): the same body, bootstrap fields added, goes to both at once.
 //! Every other route (health, metrics, worker management) is passed to the Python application
 //! on a private loopback port.
 //!
@@ -579,8 +579,8 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
     })
 }
 
-/// PD's prefill request (`PrefillLeg` in the router): its worker, the bootstrap fields to put
-/// first in the body, and the leg itself, to report to. Dropped before it is over (the server
+/// PD's prefill request (`PrefillLeg` in the router): its worker, the bootstrap fields to add
+/// to the body, and the leg itself, to report to. Dropped before it is over (the server
 /// stopped, or the body could not be sent), it reports that it was given up, so the prefill
 /// worker's accounting is released.
 struct Leg {
@@ -617,7 +617,8 @@ impl Drop for Leg {
 /// exchange is forwarded as any other. If the prefill fails before the decode has answered,
 /// the decode worker would wait for KV that never comes: its request is dropped (its
 /// exchange ends as the client's going would end it, no failure held against the worker) and
-/// the client gets the leg's 502. Once the decode has answered, the answer stands.
+/// the client gets the leg's `failure`: the prefill worker's 4xx as it came, else a 502. Once
+/// the decode has answered, the answer stands.
 async fn forward_pd(
     plane: &Arc<Plane>,
     path: &str,
@@ -633,7 +634,7 @@ async fn forward_pd(
         return error_response(400, "BadRequestError", "request body must be a JSON object");
     };
     let headers = target.as_ref().map(|t| t.1.clone()).unwrap_or_default();
-    let (told, succeeded) = oneshot::channel();
+    let (told, outcome) = oneshot::channel();
     tokio::spawn(prefill(
         plane.clone(),
         path.to_owned(),
@@ -643,8 +644,8 @@ async fn forward_pd(
         told,
     ));
     let prefill_failed = async {
-        match succeeded.await {
-            Ok(false) => {}
+        match outcome.await {
+            Ok(Some(failed)) => failed,
             _ => std::future::pending().await,
         }
     };
@@ -652,14 +653,15 @@ async fn forward_pd(
         answer = forward(plane, path, body, &mut ex, target, stream) => {
             answer.unwrap_or_else(|resp| resp)
         }
-        () = prefill_failed => leg_failure(failure),
+        (status, answer) = prefill_failed => leg_failure(failure, status, answer),
     }
 }
 
-/// `leg.failure()`: the client's answer when the prefill failed first.
-fn leg_failure(leg: Py<PyAny>) -> Response<Body> {
+/// `leg.failure(status, body)`: the client's answer when the prefill failed first.
+fn leg_failure(leg: Py<PyAny>, status: i32, answer: Vec<u8>) -> Response<Body> {
     Python::attach(|py| {
-        let out = leg.bind(py).call_method0("failure");
+        let answer = PyBytes::new(py, &answer);
+        let out = leg.bind(py).call_method1("failure", (status, answer));
         match out.and_then(|o| o.extract::<(u16, Vec<u8>)>()) {
             Ok((status, body)) => json_response(status, body),
             Err(e) => router_error(py, e),
@@ -667,25 +669,34 @@ fn leg_failure(leg: Py<PyAny>) -> Response<Body> {
     })
 }
 
-/// Sends the prefill's leg and reads its answer to the end (dropping it), each wait bounded
-/// by the read timeout; then reports it (`Leg::done`, aside for a large prompt: a success
-/// teaches the index the prompt) and tells `forward_pd` whether it succeeded.
+/// The most of a failed prefill's answer kept, for the client (`PrefillLeg.failure`).
+const PREFILL_ERROR_BYTES: usize = 64 << 10;
+
+/// Sends the prefill's leg and reads its answer to the end (keeping a failed one's, up to
+/// `PREFILL_ERROR_BYTES`), each wait bounded by the read timeout; then reports it (`Leg::done`,
+/// aside for a large prompt: a success teaches the index the prompt) and tells `forward_pd`
+/// how it went: None if it succeeded, else its status (0: no answer) and answer.
 async fn prefill(
     plane: Arc<Plane>,
     path: String,
     headers: Headers,
     body: Bytes,
     mut leg: Leg,
-    told: oneshot::Sender<bool>,
+    told: oneshot::Sender<Option<(i32, Vec<u8>)>>,
 ) {
     let post = plane.upstream.post(&leg.url, &path, &headers, &body);
+    let mut answer = Vec::new();
     let status = match tokio::time::timeout(plane.read_timeout, post).await {
-        Ok(Ok(answer)) => {
-            let mut rest = answer.body;
+        Ok(Ok(head)) => {
+            let mut rest = head.body;
             loop {
                 match next_data(&plane, &mut rest).await {
-                    Ok(Some(_)) => {}
-                    Ok(None) => break i32::from(answer.status),
+                    Ok(Some(data)) => {
+                        if head.status != 200 && answer.len() < PREFILL_ERROR_BYTES {
+                            answer.extend_from_slice(&data);
+                        }
+                    }
+                    Ok(None) => break i32::from(head.status),
                     Err(_) => break 0,
                 }
             }
@@ -699,7 +710,7 @@ async fn prefill(
     } else {
         leg.done(status)
     };
-    let _ = told.send(ok);
+    let _ = told.send(if ok { None } else { Some((status, answer)) });
 }
 
 /// A generation body keyed here, on the connection's thread, outside the GIL and before the
@@ -817,29 +828,29 @@ fn begin(
         let (status, body): (u16, Vec<u8>) = out.extract()?;
         return Ok(Begun::Respond(json_response(status, body)));
     }
-    let (ex, target, stream): (Py<PyAny>, Next, bool) = (
-        out.get_item(0)?.extract()?,
-        out.get_item(1)?.extract()?,
-        out.get_item(2)?.extract()?,
-    );
+    // Each taken into its guard first, which ends it if dropped (whatever fails after, or when
+    // the client has gone before the decision reaches it; `end` on an exchange with no attempt
+    // open does nothing).
+    let mut ex = Exchange {
+        open: true,
+        ex: Some(out.get_item(0)?.unbind()),
+    };
+    let target: Next = out.get_item(1)?.extract()?;
+    ex.open = target.is_some();
     let leg = if out.len() == 4 {
-        let leg = out.get_item(3)?;
-        let failure = leg.clone().unbind();
-        let leg = Leg {
-            url: leg.getattr("url")?.extract()?,
-            fragment: leg.getattr("fragment")?.extract()?,
-            leg: Some(leg.unbind()),
+        let handle = out.get_item(3)?;
+        let mut leg = Leg {
+            url: String::new(),
+            fragment: Vec::new(),
+            leg: Some(handle.clone().unbind()),
         };
-        Some((leg, failure))
+        leg.url = handle.getattr("url")?.extract()?;
+        leg.fragment = handle.getattr("fragment")?.extract()?;
+        Some((leg, handle.unbind()))
     } else {
         None
     };
-    // From here the exchange ends its attempt if dropped: also when its client has gone before
-    // the decision reaches it.
-    let ex = Exchange {
-        open: target.is_some(),
-        ex: Some(ex),
-    };
+    let stream: bool = out.get_item(2)?.extract()?;
     Ok(Begun::Exchange(ex, target, stream, leg))
 }
 

@@ -1155,21 +1155,25 @@ fn view_body_lanes<'a>(
 }
 
 /// A JSON object's body with `members` (members, without braces: PD's bootstrap fields) put
-/// first and the rest byte for byte; None if the body is not an object.
+/// last, so that they override any the body has (JSON parsers keep a key's last value), and the
+/// rest byte for byte; None if the body is not an object.
 pub fn inject_members(raw: &[u8], members: &[u8]) -> Option<Vec<u8>> {
     let start = raw.iter().position(|b| !b.is_ascii_whitespace())?;
-    if raw[start] != b'{' {
+    let end = raw.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if raw[start] != b'{' || raw[end] != b'}' || end == start {
         return None;
     }
-    let rest = &raw[start + 1..];
-    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
-    let mut body = Vec::with_capacity(raw.len() + members.len() + 2);
-    body.push(b'{');
-    body.extend_from_slice(members);
+    let empty = raw[start + 1..]
+        .iter()
+        .find(|b| !b.is_ascii_whitespace())
+        .is_some_and(|&b| b == b'}');
+    let mut body = Vec::with_capacity(raw.len() + members.len() + 1);
+    crate::copy::append(&mut body, &raw[..end]);
     if !empty {
         body.push(b',');
     }
-    crate::copy::append(&mut body, rest);
+    body.extend_from_slice(members);
+    body.extend_from_slice(&raw[end..]);
     Some(body)
 }
 
@@ -1572,17 +1576,21 @@ mod tests {
     }
 
     #[test]
-    fn inject_members_puts_them_first_and_keeps_the_rest_byte_for_byte() {
+    fn inject_members_puts_them_last_and_keeps_the_rest_byte_for_byte() {
         let m = br#""a": 1"#;
         let inject = |raw: &[u8]| inject_members(raw, m);
         assert_eq!(
             inject(b" {\"x\" : [1,2]} \n").as_deref(),
-            Some(&b"{\"a\": 1,\"x\" : [1,2]} \n"[..])
+            Some(&b" {\"x\" : [1,2],\"a\": 1} \n"[..])
         );
         assert_eq!(inject(b"{}").as_deref(), Some(&b"{\"a\": 1}"[..]));
-        assert_eq!(inject(b"{ \t}").as_deref(), Some(&b"{\"a\": 1 \t}"[..]));
-        assert_eq!(inject(b"[1]"), None);
-        assert_eq!(inject(b"  "), None);
-        assert_eq!(inject(b""), None);
+        assert_eq!(inject(b"{ \t}").as_deref(), Some(&b"{ \t\"a\": 1}"[..]));
+        assert_eq!(
+            inject(b"{\"y\":{}}").as_deref(),
+            Some(&b"{\"y\":{},\"a\": 1}"[..])
+        );
+        for raw in [&b"[1]"[..], b"  ", b"", b"{", b"}", b"{\"y\":1"] {
+            assert_eq!(inject(raw), None);
+        }
     }
 }
