@@ -1312,35 +1312,6 @@ def test_pd_prefill_failure_fails_fast_and_spares_the_decode_worker():
     assert status == 502 and waited < 2.0 and decode_errors == 0
 
 
-class StreamingDecode(CaptureWorker):
-    """A decode worker that streams ``events`` SSE events ``gap_s`` apart."""
-
-    def __init__(self, events: int = 10, gap_s: float = 0.1) -> None:
-        super().__init__()
-        self.events, self.gap_s = events, gap_s
-
-    def app(self) -> web.Application:
-        app = web.Application()
-
-        async def generate(request: web.Request) -> web.StreamResponse:
-            self.bodies.append(await request.read())
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-            await resp.prepare(request)
-            for i in range(self.events):
-                await resp.write(b'data: {"text": "t%d"}\n\n' % i)
-                await asyncio.sleep(self.gap_s)
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
-
-        async def ok(request: web.Request) -> web.Response:
-            return web.json_response({"max_total_num_tokens": 100_000, "model_path": "m"})
-
-        app.router.add_post("/generate", generate)
-        for path in ("/health", "/server_info", "/model_info", "/v1/loads"):
-            app.router.add_get(path, ok)
-        return app
-
-
 def with_pd(
     test: Callable[[Bed, CaptureWorker, CaptureWorker], Awaitable[Any]],
     prefill: CaptureWorker,
@@ -1474,16 +1445,20 @@ def test_pd_prefill_4xx_before_the_decode_answers_reaches_the_client_as_it_came(
 
 
 def test_pd_prefill_failing_mid_stream_leaves_the_stream_whole():
-    # The decode has begun to stream: its answer stands, whatever the prefill does after.
-    async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
-        stream = bed.stream("/generate", {**GEN, "stream": True})
+    # The decode has begun to stream (its first event at once; the prefill fails 0.2 s later):
+    # its answer stands, whatever the prefill does after.
+    async def test(bed: Bed, prefill: CaptureWorker, decode: PacedStream):
+        stream = asyncio.create_task(bed.stream("/generate", {**GEN, "stream": True}))
+        deadline = time.monotonic() + 5.0
+        while pd_loads(bed)[1][3] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # until the prefill's failure is booked
+        decode.go.set()
         status, lines, _ = await asyncio.wait_for(stream, 10.0)  # a cut stream would hang
         return status, lines, await pd_settled(bed)
 
-    status, lines, loads = with_pd(
-        test, CaptureWorker(status=500, delay_s=0.35), StreamingDecode(events=10, gap_s=0.1)
-    )
-    assert status == 200 and len(lines) == 11 and lines[-1] == b"data: [DONE]"
+    prefill, decode = CaptureWorker(status=500, delay_s=0.2), PacedStream(burst=3)
+    status, lines, loads = with_pd(test, prefill, decode)  # type: ignore[arg-type]
+    assert status == 200 and len(lines) == 5 and lines[-1] == b"data: [DONE]"
     assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 1)]
 
 
