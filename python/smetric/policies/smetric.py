@@ -102,6 +102,8 @@ class SMetric:
         else:
             ties: range | list[int]
             workers: Sequence[WorkerView] | None
+            if tie_breaker is None:
+                tie_breaker = list(map(_IN_FLIGHT, ws))
             if tied == len(load):  # an idle cluster ties them all
                 ties, keys, workers = range(tied), tie_breaker, ws
             else:
@@ -118,38 +120,39 @@ class SMetric:
         self._picks[url] = self._picks.get(url, 0) + 1
         return best
 
-    def _loads(self, req: RequestView, cluster: ClusterView) -> tuple[list[float], list[int]]:
+    def _loads(
+        self, req: RequestView, cluster: ClusterView
+    ) -> tuple[list[float], list[int] | None]:
         """Numbers in the order of each instance's load under ``load_metric`` (equal where the
         loads are: request counts stand for loads they order alike), and the tie-breaker before
-        picks."""
+        picks (None: the request counts, for ``_least_loaded`` to read only if loads tie)."""
         ws = cluster.workers
         metric = self.config.load_metric
-        in_flight = list(map(_IN_FLIGHT, ws))
-        queued = list(map(_QUEUED, ws))
         if metric == "requests":
-            return cast("list[float]", in_flight), queued
+            return list(map(_IN_FLIGHT, ws)), list(map(_QUEUED, ws))
         if metric == "delay":
             delay = self.slo.queue_delay_s
-            return [delay(w.url, q) for w, q in zip(ws, queued, strict=True)], in_flight
+            return [delay(w.url, w.queued_prefill_tokens) for w in ws], None
         # Hit-blind, as balancing should be: every instance is costed as if it held none of the
         # request and loaded what the global tier holds (``predict_ttft_s``, the request's part
-        # worked out once, each amount queued once, and the corrections of the present).
+        # worked out once, each amount queued once, and the corrections of the present), in
+        # one pass over the views.
         prompt = req.prompt_tokens
         glob = min(int(cluster.global_hit_blocks * cluster.block_tokens), prompt)
-        ttft = self.slo.hit_blind_ttfts_s(queued, prompt, glob)
+        ttft = self.slo.hit_blind_ttfts_s(map(_QUEUED, ws), prompt, glob)
         corrections = self.slo.corrections()
         if corrections:
             get = corrections.get
             return [
-                ttft[q] * get(u, 1.0) * (n + 1)
-                for u, q, n in zip(map(_URL, ws), queued, in_flight, strict=True)
-            ], in_flight
+                ttft[w.queued_prefill_tokens] * get(w.url, 1.0) * (w.in_flight + 1) for w in ws
+            ], None
         if len(ttft) == 1:
             # One TTFT everywhere: the cost is that times requests served + 1, which never
             # falls as the count grows, and the tie-breaker is the count, so the counts choose
-            # as the costs do, ties included (a copy: ``_least_loaded`` writes into the loads).
+            # as the costs do, ties included.
+            in_flight = list(map(_IN_FLIGHT, ws))
             return cast("list[float]", in_flight[:]), in_flight
-        return [ttft[q] * (n + 1) for q, n in zip(queued, in_flight, strict=True)], in_flight
+        return [ttft[w.queued_prefill_tokens] * (w.in_flight + 1) for w in ws], None
 
     # ---- the decision --------------------------------------------------------------------
 
