@@ -102,13 +102,15 @@ class SMetric:
         else:
             ties: range | list[int]
             workers: Sequence[WorkerView] | None
-            if tie_breaker is None:
-                tie_breaker = list(map(_IN_FLIGHT, ws))
             if tied == len(load):  # an idle cluster ties them all
-                ties, keys, workers = range(tied), tie_breaker, ws
+                ties, workers = range(tied), ws
+                keys = list(map(_IN_FLIGHT, ws)) if tie_breaker is None else tie_breaker
             else:
-                ties = [i for i, x in enumerate(load) if x == lowest]
-                keys, workers = [tie_breaker[i] for i in ties], None
+                ties, workers = [i for i, x in enumerate(load) if x == lowest], None
+                if tie_breaker is None:
+                    keys = [ws[i].in_flight for i in ties]
+                else:
+                    keys = [tie_breaker[i] for i in ties]
             least = min(keys)
             if keys.count(least) != len(keys):
                 ties, workers = [i for i, k in zip(ties, keys, strict=True) if k == least], None
