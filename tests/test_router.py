@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from smetric._prefix_index import inject_members
 from smetric.emulator import EmulatedCluster
 from smetric.perf import PRESETS
 from smetric.policies import POLICIES
@@ -23,7 +24,7 @@ from smetric.prom import merge_worker_metrics
 from smetric.request import view_request, view_unkeyed
 from smetric.router import Listening, Router, RouterConfig, listen, parse_config
 from smetric.router import app as app_module
-from smetric.router.app import Exchange, inject_fields
+from smetric.router.app import Exchange
 from smetric.router.workers import Worker
 
 PROFILE = PRESETS["qwen2.5-7b-h200"]
@@ -1358,10 +1359,11 @@ def test_pd_sends_one_body_to_both_workers_bootstrap_fields_added_the_rest_byte_
     # nothing of the client's body changes but the three fields added last (SGLang's PD
     # protocol), which override the client's (parsers keep a key's last value).
     raw = (
-        b'  {"text": "Hello PD " , "sampling_params": {"max_new_tokens": 3}, "x_custom": [1, 2],'
-        b' "bootstrap_room": 5}\n'
+        b'  {"text": "' + b"Hello PD. " * 40 + b'" , "sampling_params": {"max_new_tokens": 3},'
+        b' "x_custom": [1, 2], "bootstrap_room": 5}\n'
     )
     keys = view_request("generate", json.loads(raw)).key.keys
+    assert len(keys) >= 4
 
     async def test(bed: Bed, prefill: CaptureWorker, decode: CaptureWorker):
         answers = []
@@ -1399,19 +1401,20 @@ def test_pd_sends_one_body_to_both_workers_bootstrap_fields_added_the_rest_byte_
     assert rooms[0] != rooms[1] and all(0 <= r < 2**63 for r in rooms)
     assert [h["X-Request-ID"] for h in prefill.headers] == ["pd-1", "pd-2"]
     assert [h["X-Request-ID"] for h in decode.headers] == ["pd-1", "pd-2"]
+    # The client's encodings to the decode; the prefill's answer uncompressed (a failed one
+    # may go to the client as it came).
+    assert {h["Accept-Encoding"] for h in decode.headers} == {"gzip, deflate"}
+    assert {h["Accept-Encoding"] for h in prefill.headers} == {"identity"}
     assert loads == [("decode", 0, 0, 0), ("prefill", 0, 0, 0)]
     # Both hold the prompt now (the prefill's success taught the index too).
     assert held["prefill"] == held["decode"] == len(keys)
 
 
-def test_inject_fields_puts_the_members_last_and_keeps_the_rest_byte_for_byte():
-    # The aiohttp data plane's; the Rust one's is request::inject_members, tested alike.
-    assert inject_fields(b' {"x" : [1,2]} \n', b'"a": 1') == b' {"x" : [1,2],"a": 1} \n'
-    assert inject_fields(b"{}", b'"a": 1') == b'{"a": 1}'
-    assert inject_fields(b"{ \t}", b'"a": 1') == b'{ \t"a": 1}'
-    assert inject_fields(b'{"y":{}}', b'"a": 1') == b'{"y":{},"a": 1}'
-    bad = (b"[1]", b"  ", b"", b"{", b"}", b'{"y":1')
-    assert [inject_fields(raw, b'"a": 1') for raw in bad] == [None] * len(bad)
+def test_inject_members_from_python_adds_them_last_or_says_none():
+    # The binding the aiohttp plane uses (the cases: request::inject_members's own test).
+    assert inject_members(b' {"x" : [1,2]} \n', b'"a": 1') == b' {"x" : [1,2],"a": 1} \n'
+    assert inject_members(b"{}", b'"a": 1') == b'{"a": 1}'
+    assert inject_members(b"[1]", b'"a": 1') is None
 
 
 def test_pd_prefill_that_never_answers_is_given_up_at_the_timeout_and_released():

@@ -93,6 +93,11 @@ def hash_tokens_sglang(token_ids: Iterable[int], page_size: int) -> BlockKeys:
     carry (``BlockKeys.from_ids(event.block_hashes, chained=True)`` gives equal keys).
     """
 
+def inject_members(body: bytes, members: bytes) -> bytes | None:
+    """``body`` with ``members`` (JSON object members, without braces) added last, so that they
+    override any the body has (JSON parsers keep a key's last value), the rest byte for byte;
+    None if ``body`` is not a JSON object (PD's bootstrap fields)."""
+
 def key_request_body(
     api: str, body: bytes, text_block_bytes: int, token_block_tokens: int
 ) -> tuple[BlockKeys, int, bool, int | None, bool, bool | None] | None:

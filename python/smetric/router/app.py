@@ -32,6 +32,7 @@ import aiohttp
 from aiohttp import web
 
 from smetric import GLOBAL_TIER, DataPlane, PrefixIndex
+from smetric._prefix_index import inject_members
 from smetric.cluster import ClusterView, Decision
 from smetric.perf import load_profile
 from smetric.policies import Policy, PolicyConfig, SMetricConfig, make_policy
@@ -459,17 +460,6 @@ class Exchange:
             )
 
 
-def inject_fields(raw: bytes, fragment: bytes) -> bytes | None:
-    """A JSON object's body with ``fragment`` (members, without braces) put last, so that they
-    override any the body has (JSON parsers keep a key's last value), the rest byte for byte;
-    None if it is not an object. (``request::inject_members`` in Rust does the same.)"""
-    body = raw.rstrip()
-    if not body.lstrip().startswith(b"{") or not body.endswith(b"}"):
-        return None
-    empty = body.lstrip()[1:].lstrip().startswith(b"}")
-    return body[:-1] + (b"" if empty else b",") + fragment + raw[len(body) - 1 :]
-
-
 class PrefillLeg:
     """PD's prefill request, sent beside the decode's (an ``Exchange`` pinned to its decode
     worker) with the same body, bootstrap fields added (``fragment``); its answer is read and
@@ -477,13 +467,22 @@ class PrefillLeg:
     planes drive it: the decode's exchange answers the client, unless the prefill fails before
     the decode has answered (then ``failure``: the decode would wait for KV that never comes)."""
 
-    __slots__ = ("fragment", "hit", "router", "uncached", "view", "worker")
+    __slots__ = ("fragment", "headers", "hit", "router", "uncached", "view", "worker")
 
     def __init__(
-        self, router: Router, worker: Worker, view: RequestView, hit: int, fragment: bytes
+        self,
+        router: Router,
+        worker: Worker,
+        view: RequestView,
+        hit: int,
+        fragment: bytes,
+        headers: list[tuple[str, str]],
     ) -> None:
         self.router, self.worker, self.view, self.hit = router, worker, view, hit
         self.fragment = fragment
+        self.headers = [(k, "identity" if k == "Accept-Encoding" else v) for k, v in headers]
+        """The decode's, but uncompressed: a failed prefill's answer may go to the client as it
+        came (``failure``), and any other is dropped."""
         self.uncached = view.prompt_tokens - hit
         worker.dispatched(self.uncached)
 
@@ -1143,7 +1142,12 @@ class Router:
             if not isinstance(begun[0], Exchange):
                 return begun
             ex, leg = begun
-            return ex, ex.next(), view.stream, leg
+            try:
+                attempt = ex.next()
+            except BaseException:
+                leg.done(-1)
+                raise
+            return ex, attempt, view.stream, leg
         ex = Exchange(self, view, path, rid, t0, headers)
         return ex, ex.next(), view.stream
 
@@ -1221,9 +1225,10 @@ class Router:
                             t_first = t_last
                         events += n
                     await _downstream(resp.write(chunk))
-                if not sent:
-                    await _downstream(resp.prepare(request))
+                if not sent:  # an empty stream, booked before its head goes out
+                    sent = True
                     ex.whole(up.status, record=True)
+                    await _downstream(resp.prepare(request))
                 ex.end("ok", events, t_last - t_first)
                 await _downstream(resp.write_eof())
                 return resp
@@ -1292,8 +1297,9 @@ class Router:
                 }
             )[1:-1].encode()
             hit = p_cluster.local_hit_tokens(p_decision.worker, view.prompt_tokens)
-            leg = PrefillLeg(self, prefill, view, hit, fragment)
-        return Exchange(self, view, path, rid, t0, headers, (decode, d_decision)), leg
+            ex = Exchange(self, view, path, rid, t0, headers, (decode, d_decision))
+            leg = PrefillLeg(self, prefill, view, hit, fragment, ex.upstream_headers)
+        return ex, leg
 
     async def _route_pd(
         self, request: web.Request, raw: bytes, view: RequestView, rid: str, t0: float
@@ -1306,19 +1312,19 @@ class Router:
             status, refusal = begun
             return web.Response(body=refusal, status=status, content_type="application/json")
         ex, leg = begun
-        body = inject_fields(raw, leg.fragment)
+        body = inject_members(raw, leg.fragment)
         if body is None:  # not reached: a request that has a view is a JSON object
             leg.done(-1)
             return self._count(view.api, error_json(400, "request body must be a JSON object"))
 
         async def run_prefill() -> tuple[bool, int, bytes]:
-            assert self.session is not None
             status, data = -1, b""  # cancelled (the router stopped): neither
             try:
+                assert self.session is not None
                 async with self.session.post(
                     leg.url + request.path,
                     data=body,
-                    headers=dict(ex.upstream_headers),
+                    headers=dict(leg.headers),
                     timeout=self._upstream_timeout,
                 ) as up:
                     data = await up.read()
@@ -1338,16 +1344,13 @@ class Router:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             if not decode.done() and not ex.status and not prefill.result()[0]:
                 # The decode worker has not answered and would wait for KV that never comes:
-                # stop it, and do not count its timeout against it. (One that has begun to
-                # stream goes on: its answer stands.)
-                decode.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await decode
+                # stop it (below), and do not count its timeout against it. (One that has
+                # begun to stream goes on: its answer stands.)
                 status, failure = leg.failure(*prefill.result()[1:])
                 return web.Response(body=failure, status=status, content_type="application/json")
             return await decode
         finally:
-            if not decode.done():  # the client went away
+            if not decode.done():  # the prefill failed first, or the client went away
                 decode.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await decode

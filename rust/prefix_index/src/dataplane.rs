@@ -586,6 +586,7 @@ async fn serve(plane: Arc<Plane>, req: Request<Incoming>) -> Result<Response<Bod
 struct Leg {
     url: String,
     fragment: Vec<u8>,
+    headers: Headers,
     leg: Option<Py<PyAny>>,
 }
 
@@ -633,12 +634,10 @@ async fn forward_pd(
         leg.done(-1);
         return error_response(400, "BadRequestError", "request body must be a JSON object");
     };
-    let headers = target.as_ref().map(|t| t.1.clone()).unwrap_or_default();
     let (told, outcome) = oneshot::channel();
     tokio::spawn(prefill(
         plane.clone(),
         path.to_owned(),
-        headers,
         body.clone(),
         leg,
         told,
@@ -669,33 +668,26 @@ fn leg_failure(leg: Py<PyAny>, status: i32, answer: Vec<u8>) -> Response<Body> {
     })
 }
 
-/// The most of a failed prefill's answer kept, for the client (`PrefillLeg.failure`).
-const PREFILL_ERROR_BYTES: usize = 64 << 10;
-
-/// Sends the prefill's leg and reads its answer to the end (keeping a failed one's, up to
-/// `PREFILL_ERROR_BYTES`), each wait bounded by the read timeout; then reports it (`Leg::done`,
-/// aside for a large prompt: a success teaches the index the prompt) and tells `forward_pd`
-/// how it went: None if it succeeded, else its status (0: no answer) and answer.
+/// Sends the prefill's leg and reads its answer to the end (keeping a failed one's), each wait
+/// bounded by the read timeout; then reports it (`Leg::done`, aside for a large prompt: a
+/// success teaches the index the prompt) and tells `forward_pd` how it went: None if it
+/// succeeded, else its status (0: no answer) and answer.
 async fn prefill(
     plane: Arc<Plane>,
     path: String,
-    headers: Headers,
     body: Bytes,
     mut leg: Leg,
     told: oneshot::Sender<Option<(i32, Vec<u8>)>>,
 ) {
-    let post = plane.upstream.post(&leg.url, &path, &headers, &body);
+    let post = plane.upstream.post(&leg.url, &path, &leg.headers, &body);
     let mut answer = Vec::new();
     let status = match tokio::time::timeout(plane.read_timeout, post).await {
         Ok(Ok(head)) => {
             let mut rest = head.body;
             loop {
                 match next_data(&plane, &mut rest).await {
-                    Ok(Some(data)) => {
-                        if head.status != 200 && answer.len() < PREFILL_ERROR_BYTES {
-                            answer.extend_from_slice(&data);
-                        }
-                    }
+                    Ok(Some(data)) if head.status != 200 => answer.extend_from_slice(&data),
+                    Ok(Some(_)) => {}
                     Ok(None) => break i32::from(head.status),
                     Err(_) => break 0,
                 }
@@ -835,21 +827,23 @@ fn begin(
         open: true,
         ex: Some(out.get_item(0)?.unbind()),
     };
-    let target: Next = out.get_item(1)?.extract()?;
-    ex.open = target.is_some();
     let leg = if out.len() == 4 {
         let handle = out.get_item(3)?;
         let mut leg = Leg {
             url: String::new(),
             fragment: Vec::new(),
+            headers: Vec::new(),
             leg: Some(handle.clone().unbind()),
         };
         leg.url = handle.getattr("url")?.extract()?;
         leg.fragment = handle.getattr("fragment")?.extract()?;
+        leg.headers = handle.getattr("headers")?.extract()?;
         Some((leg, handle.unbind()))
     } else {
         None
     };
+    let target: Next = out.get_item(1)?.extract()?;
+    ex.open = target.is_some();
     let stream: bool = out.get_item(2)?.extract()?;
     Ok(Begun::Exchange(ex, target, stream, leg))
 }

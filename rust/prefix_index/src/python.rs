@@ -623,6 +623,18 @@ impl PyPrefixIndex {
     }
 }
 
+/// `body` with `members` (JSON object members, without braces) added last, the rest byte for
+/// byte, or None if it is not a JSON object (`request::inject_members`: PD's bootstrap fields,
+/// for the aiohttp data plane; the Rust one calls it directly).
+#[pyfunction]
+fn inject_members<'py>(
+    py: Python<'py>,
+    body: &[u8],
+    members: &[u8],
+) -> Option<Bound<'py, PyBytes>> {
+    request::inject_members(body, members).map(|b| PyBytes::new(py, &b))
+}
+
 #[pymodule]
 fn _prefix_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockKeys>()?;
@@ -633,6 +645,7 @@ fn _prefix_index(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hash_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(hash_tokens_sglang, m)?)?;
     m.add_function(wrap_pyfunction!(key_request_body, m)?)?;
+    m.add_function(wrap_pyfunction!(inject_members, m)?)?;
     m.add("GLOBAL_TIER", GLOBAL_TIER)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
