@@ -390,12 +390,8 @@ def test_responses_continue_on_the_worker_holding_the_previous_one():
             return 200, events[-1]["response"]["id"]
 
     async def main() -> None:
-        fakes, runners = [ResponsesWorker("a"), ResponsesWorker("b")], []
-        for fake in fakes:
-            runners.append(web.AppRunner(fake.app()))
-            await runners[-1].setup()
-            await web.TCPSite(runners[-1], "127.0.0.1", 0).start()
-        urls = [f"http://127.0.0.1:{r.addresses[-1][1]}" for r in runners]
+        fakes = [ResponsesWorker("a"), ResponsesWorker("b")]
+        runners, urls = zip(*[await serve_app(fake.app()) for fake in fakes], strict=True)
         # round_robin: without the affinity, every other turn would reach the wrong worker.
         router, rrunner, base = await start_router(
             RouterConfig(worker_urls=urls, policy="round_robin")

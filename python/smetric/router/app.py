@@ -122,6 +122,11 @@ RESPONSE_WAITING_EVENTS = frozenset(("response.created", "response.queued", "res
 of its prefill."""
 
 
+def uncompressed(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Upstream headers asking the worker for an answer the router can read as it is."""
+    return [(k, "identity" if k == "Accept-Encoding" else v) for k, v in headers]
+
+
 class Retry(Exception):
     """The worker failed before anything reached the client: try another."""
 
@@ -480,7 +485,7 @@ class PrefillLeg:
     ) -> None:
         self.router, self.worker, self.view, self.hit = router, worker, view, hit
         self.fragment = fragment
-        self.headers = [(k, "identity" if k == "Accept-Encoding" else v) for k, v in headers]
+        self.headers = uncompressed(headers)
         """The decode's, but uncompressed: a failed prefill's answer may go to the client as it
         came (``failure``), and any other is dropped."""
         self.uncached = view.prompt_tokens - hit
@@ -1017,9 +1022,7 @@ class Router:
                 pinned = (owner, Decision(0, RESPONSE_AFFINITY))
         ex = Exchange(self, view, "/v1/responses", rid, t0, request.headers, pinned)
         # Uncompressed, so that the answer's id can be read (and is passed on as it came).
-        ex.upstream_headers = [
-            (k, "identity" if k == "Accept-Encoding" else v) for k, v in ex.upstream_headers
-        ]
+        ex.upstream_headers = uncompressed(ex.upstream_headers)
         line = bytearray()  # a stream's line not yet whole
         scanned, known, output = 0, False, not stream  # a whole answer's output is its end
 
